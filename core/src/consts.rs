@@ -1,0 +1,149 @@
+//! The serving constants of SPEC §1–§2. Every one is a config value, so researchers can sweep
+//! them; [`ServingConstants::validate`] rejects combinations that make the hit rules meaningless.
+
+use crate::error::ConfigError;
+use serde::{Deserialize, Serialize};
+
+/// Model shape and cache constants that the hit rules, the store and the accounting read.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServingConstants {
+    /// Sliding-window attention window, tokens (SPEC §1).
+    pub window_tokens: u32,
+    /// KV cache block: unit of the store and of prefix matching (SPEC §2).
+    pub block_tokens: u32,
+    /// Tokens DSpark drafts per step.
+    pub draft_tokens: u32,
+    /// Speculative backtrack = draft block + 1.
+    pub backtrack_tokens: u32,
+    /// Decoder-side bounded replay length (shipped default 140; 128 in the Q&A).
+    pub decoder_replay_tokens: u32,
+    /// Tokens the exact decoder rebuild runs through the decoder (20 layers × 128).
+    pub exact_rebuild_tokens: u32,
+    pub encoder_layers: u32,
+    pub decoder_layers: u32,
+    /// Global (compressed) KV bytes per token in HBM and in the store before erasure coding.
+    pub kv_bytes_per_token: u32,
+    /// Stored SWA state, bytes per token per layer (MXFP8).
+    pub swa_bytes_per_token_layer: u32,
+    /// Tokens of window kept per stored SWA state (window + backtrack).
+    pub swa_state_tokens: u32,
+    /// Layers whose window state is stored (the encoder's).
+    pub swa_state_layers: u32,
+}
+
+impl Default for ServingConstants {
+    fn default() -> Self {
+        Self {
+            window_tokens: 128,
+            block_tokens: 128,
+            draft_tokens: 5,
+            backtrack_tokens: 6,
+            decoder_replay_tokens: 140,
+            exact_rebuild_tokens: 2560,
+            encoder_layers: 20,
+            decoder_layers: 20,
+            kv_bytes_per_token: 890,
+            swa_bytes_per_token_layer: 528,
+            swa_state_tokens: 134,
+            swa_state_layers: 20,
+        }
+    }
+}
+
+impl ServingConstants {
+    /// Never hit closer than this to the end of the prompt: window + backtrack (134).
+    pub fn hit_margin_tokens(&self) -> u32 {
+        self.window_tokens + self.backtrack_tokens
+    }
+
+    /// Bytes of one full KV block in the store (before erasure coding).
+    pub fn block_bytes(&self) -> u64 {
+        u64::from(self.block_tokens) * u64::from(self.kv_bytes_per_token)
+    }
+
+    /// Bytes of one stored SWA state (1,415,040 with the defaults).
+    pub fn swa_state_bytes(&self) -> u64 {
+        u64::from(self.swa_state_layers)
+            * u64::from(self.swa_state_tokens)
+            * u64::from(self.swa_bytes_per_token_layer)
+    }
+
+    /// Layers of the ordinary decoder-only model used as the compute baseline.
+    pub fn total_layers(&self) -> u32 {
+        self.encoder_layers + self.decoder_layers
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let field = |f: &str, why: String| Err(ConfigError::invalid(format!("constants.{f}"), why));
+        for (name, v) in [
+            ("window_tokens", self.window_tokens),
+            ("block_tokens", self.block_tokens),
+            ("encoder_layers", self.encoder_layers),
+            ("decoder_layers", self.decoder_layers),
+            ("kv_bytes_per_token", self.kv_bytes_per_token),
+        ] {
+            if v == 0 {
+                return field(name, "must be positive".into());
+            }
+        }
+        if self.backtrack_tokens < self.draft_tokens + 1 {
+            return field(
+                "backtrack_tokens",
+                format!(
+                    "{} is less than draft_tokens + 1 = {}",
+                    self.backtrack_tokens,
+                    self.draft_tokens + 1
+                ),
+            );
+        }
+        if self.decoder_replay_tokens < self.hit_margin_tokens() {
+            return field(
+                "decoder_replay_tokens",
+                format!(
+                    "{} is shorter than window + backtrack = {}: the replay could not rebuild the window (SPEC §2)",
+                    self.decoder_replay_tokens,
+                    self.hit_margin_tokens()
+                ),
+            );
+        }
+        if self.exact_rebuild_tokens < self.window_tokens {
+            return field(
+                "exact_rebuild_tokens",
+                "must be at least one window".to_string(),
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_sizes() {
+        let c = ServingConstants::default();
+        assert_eq!(c.hit_margin_tokens(), 134);
+        assert_eq!(c.swa_state_bytes(), 1_415_040);
+        assert_eq!(c.block_bytes(), 113_920);
+        assert_eq!(c.exact_rebuild_tokens, c.decoder_layers * c.window_tokens);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_short_replay() {
+        let c = ServingConstants {
+            decoder_replay_tokens: 128,
+            ..Default::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("decoder_replay_tokens"), "{e}");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let e = toml::from_str::<ServingConstants>("window_tokens = 64\nwindow = 3\n").unwrap_err();
+        assert!(e.to_string().contains("window"), "{e}");
+    }
+}

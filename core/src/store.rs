@@ -1,0 +1,706 @@
+//! The KV cache store of SPEC §7: capacity in bytes, TTL per traffic class set on the storage
+//! side, LRU eviction past a high watermark down to a low watermark, 10+2 erasure-coded
+//! placement on storage nodes.
+//!
+//! The hot path (prefix lookups) is a hash probe per block with a one-multiply hasher; LRU order
+//! and expiry order are intrusive lists inside one slab, so nothing allocates per lookup.
+
+use crate::content::{BlockKey, KeyMap};
+use crate::error::ConfigError;
+use crate::ids::StorageNodeId;
+use crate::request::TrafficClass;
+use crate::time::Nanos;
+use serde::{Deserialize, Serialize};
+
+const NIL: u32 = u32::MAX;
+
+/// TTL per traffic class; a missing class never expires.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassTtl {
+    #[serde(default)]
+    pub agent: Option<Nanos>,
+    #[serde(default)]
+    pub chat: Option<Nanos>,
+    #[serde(default)]
+    pub other: Option<Nanos>,
+}
+
+impl ClassTtl {
+    /// SPEC §7: 3 days for agent traffic, 7 days for chat. The brief is silent on other traffic
+    /// (documents): 3 days, the cheaper of the two.
+    pub fn published() -> Self {
+        ClassTtl {
+            agent: Some(Nanos::from_secs(3 * 86_400)),
+            chat: Some(Nanos::from_secs(7 * 86_400)),
+            other: Some(Nanos::from_secs(3 * 86_400)),
+        }
+    }
+    pub fn none() -> Self {
+        ClassTtl {
+            agent: None,
+            chat: None,
+            other: None,
+        }
+    }
+    pub fn uniform(ttl: Option<Nanos>) -> Self {
+        ClassTtl {
+            agent: ttl,
+            chat: ttl,
+            other: ttl,
+        }
+    }
+    pub fn get(&self, class: TrafficClass) -> Option<Nanos> {
+        match class {
+            TrafficClass::Agent => self.agent,
+            TrafficClass::Chat => self.chat,
+            TrafficClass::Other => self.other,
+        }
+    }
+}
+
+impl Default for ClassTtl {
+    fn default() -> Self {
+        Self::published()
+    }
+}
+
+/// What a TTL counts from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TtlFrom {
+    /// Every read or write restarts the clock (a block in constant use never expires).
+    #[default]
+    LastAccess,
+    /// Only writes set the clock (file-age TTL on the storage side).
+    Write,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// Logical KV bytes the store may hold (before erasure coding); absent = unbounded.
+    pub capacity_bytes: Option<u64>,
+    /// GC starts evicting in LRU order when usage exceeds this share of capacity…
+    pub high_watermark: f64,
+    /// …and stops when usage is back at or below this share.
+    pub low_watermark: f64,
+    pub ttl: ClassTtl,
+    pub ttl_from: TtlFrom,
+    /// Storage nodes in the cluster (100 PiB / 20 × 30.73 TB ≈ 180 servers).
+    pub storage_nodes: u32,
+    pub ec_data_shards: u32,
+    pub ec_parity_shards: u32,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            capacity_bytes: None,
+            high_watermark: 0.95,
+            low_watermark: 0.90,
+            ttl: ClassTtl::published(),
+            ttl_from: TtlFrom::LastAccess,
+            storage_nodes: 180,
+            ec_data_shards: 10,
+            ec_parity_shards: 2,
+        }
+    }
+}
+
+impl StoreConfig {
+    pub fn validate(&self, block_bytes: u64) -> Result<(), ConfigError> {
+        let bad = |f: &str, why: String| Err(ConfigError::invalid(format!("store.{f}"), why));
+        if !(self.low_watermark > 0.0
+            && self.low_watermark <= self.high_watermark
+            && self.high_watermark <= 1.0)
+        {
+            return bad(
+                "high_watermark",
+                format!(
+                    "need 0 < low_watermark ({}) <= high_watermark ({}) <= 1",
+                    self.low_watermark, self.high_watermark
+                ),
+            );
+        }
+        if let Some(cap) = self.capacity_bytes {
+            if cap < block_bytes {
+                return bad(
+                    "capacity_bytes",
+                    format!("{cap} bytes cannot hold one block of {block_bytes} bytes"),
+                );
+            }
+        }
+        if self.ec_data_shards == 0 {
+            return bad("ec_data_shards", "must be positive".into());
+        }
+        let group = self.ec_data_shards + self.ec_parity_shards;
+        if self.storage_nodes < group {
+            return bad(
+                "storage_nodes",
+                format!("{} nodes cannot hold a {group}-node erasure-coded group", self.storage_nodes),
+            );
+        }
+        for class in TrafficClass::ALL {
+            if self.ttl.get(class) == Some(Nanos::ZERO) {
+                return bad(
+                    &format!("ttl.{}", class.name()),
+                    "a zero TTL would expire blocks as they are written".into(),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Physical bytes on SSD per logical byte (12 / 10 with 10+2 coding).
+    pub fn ec_overhead(&self) -> f64 {
+        f64::from(self.ec_data_shards + self.ec_parity_shards) / f64::from(self.ec_data_shards)
+    }
+}
+
+/// Counters a replay or simulation reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreStats {
+    pub block_lookups: u64,
+    pub block_lookup_hits: u64,
+    pub inserts: u64,
+    pub touches: u64,
+    pub evictions: u64,
+    pub evicted_bytes: u64,
+    pub expirations: u64,
+    pub expired_bytes: u64,
+    pub bytes_written: u64,
+    pub used_bytes: u64,
+    pub peak_bytes: u64,
+    pub objects: u64,
+}
+
+/// The 12 nodes holding one erasure-coded object; any `data_shards` answers decode it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EcGroup {
+    pub nodes: Vec<StorageNodeId>,
+    pub data_shards: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    key: BlockKey,
+    expires: Nanos,
+    bytes: u64,
+    class: u8,
+    lru_prev: u32,
+    lru_next: u32,
+    exp_prev: u32,
+    exp_next: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct List {
+    head: u32,
+    tail: u32,
+}
+
+impl List {
+    const EMPTY: List = List {
+        head: NIL,
+        tail: NIL,
+    };
+}
+
+/// The store. Deterministic: no iteration over the hash map decides anything.
+#[derive(Clone, Debug)]
+pub struct KvStore {
+    cfg: StoreConfig,
+    block_bytes: u64,
+    high_bytes: u64,
+    low_bytes: u64,
+    map: KeyMap<u32>,
+    slab: Vec<Entry>,
+    free: Vec<u32>,
+    lru: List,
+    /// One expiry list per class: with a constant TTL per class and non-decreasing `now`,
+    /// append order is expiry order.
+    expiry: [List; 3],
+    node_bytes: Vec<u64>,
+    now: Nanos,
+    stats: StoreStats,
+}
+
+impl KvStore {
+    pub fn new(cfg: StoreConfig, block_bytes: u64) -> Result<Self, ConfigError> {
+        cfg.validate(block_bytes)?;
+        let (high_bytes, low_bytes) = match cfg.capacity_bytes {
+            Some(c) => (
+                (c as f64 * cfg.high_watermark) as u64,
+                (c as f64 * cfg.low_watermark) as u64,
+            ),
+            None => (u64::MAX, u64::MAX),
+        };
+        Ok(KvStore {
+            node_bytes: vec![0; cfg.storage_nodes as usize],
+            cfg,
+            block_bytes,
+            high_bytes,
+            low_bytes,
+            map: KeyMap::default(),
+            slab: Vec::new(),
+            free: Vec::new(),
+            lru: List::EMPTY,
+            expiry: [List::EMPTY; 3],
+            now: Nanos::ZERO,
+            stats: StoreStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+    pub fn stats(&self) -> &StoreStats {
+        &self.stats
+    }
+    pub fn used_bytes(&self) -> u64 {
+        self.stats.used_bytes
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    /// Logical bytes held per storage node (each node of a group holds 1/data of an object).
+    pub fn node_bytes(&self) -> &[u64] {
+        &self.node_bytes
+    }
+
+    /// Moves the store's clock to `now` and deletes every object whose TTL has passed.
+    /// Time never goes backwards: an earlier `now` is treated as the current time.
+    pub fn advance(&mut self, now: Nanos) {
+        if now > self.now {
+            self.now = now;
+        }
+        for c in 0..3 {
+            loop {
+                let h = self.expiry[c].head;
+                if h == NIL || self.slab[h as usize].expires > self.now {
+                    break;
+                }
+                self.stats.expirations += 1;
+                self.stats.expired_bytes += self.slab[h as usize].bytes;
+                self.remove(h);
+            }
+        }
+    }
+
+    /// Length of the leading run of `keys` held by the store (SPEC §3.1 prefix match).
+    /// Lookups do not refresh recency: the request then touches what it uses.
+    pub fn lookup_prefix(&mut self, now: Nanos, keys: &[BlockKey]) -> usize {
+        self.advance(now);
+        let mut run = 0;
+        for k in keys {
+            self.stats.block_lookups += 1;
+            if self.map.contains_key(k) {
+                run += 1;
+            } else {
+                break;
+            }
+        }
+        self.stats.block_lookup_hits += run as u64;
+        run
+    }
+
+    pub fn contains(&mut self, now: Nanos, key: BlockKey) -> bool {
+        self.advance(now);
+        self.map.contains_key(&key)
+    }
+
+    /// Touches the blocks present and writes the missing ones (each of `block_bytes`).
+    pub fn touch_or_insert(&mut self, now: Nanos, keys: &[BlockKey], class: TrafficClass) {
+        self.advance(now);
+        for &k in keys {
+            self.put_at_now(k, self.block_bytes, class);
+        }
+    }
+
+    /// Touches `key` or writes it as an object of `bytes` bytes. Returns true if written.
+    pub fn put(&mut self, now: Nanos, key: BlockKey, bytes: u64, class: TrafficClass) -> bool {
+        self.advance(now);
+        self.put_at_now(key, bytes, class)
+    }
+
+    fn put_at_now(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> bool {
+        if let Some(&idx) = self.map.get(&key) {
+            self.stats.touches += 1;
+            self.lru_unlink(idx);
+            self.lru_push_back(idx);
+            if self.cfg.ttl_from == TtlFrom::LastAccess {
+                self.exp_unlink(idx);
+                let expires = self.expiry_for(class);
+                let e = &mut self.slab[idx as usize];
+                e.class = class as u8;
+                e.expires = expires;
+                self.exp_push_back(idx);
+            }
+            return false;
+        }
+        if let Some(cap) = self.cfg.capacity_bytes {
+            if bytes > cap {
+                // Cannot be stored at all: counted as written-and-dropped would lie, so skip.
+                return false;
+            }
+            while self.stats.used_bytes + bytes > cap {
+                if !self.evict_one() {
+                    break;
+                }
+            }
+        }
+        let entry = Entry {
+            key,
+            expires: self.expiry_for(class),
+            bytes,
+            class: class as u8,
+            lru_prev: NIL,
+            lru_next: NIL,
+            exp_prev: NIL,
+            exp_next: NIL,
+        };
+        let idx = match self.free.pop() {
+            Some(i) => {
+                self.slab[i as usize] = entry;
+                i
+            }
+            None => {
+                self.slab.push(entry);
+                (self.slab.len() - 1) as u32
+            }
+        };
+        self.map.insert(key, idx);
+        self.lru_push_back(idx);
+        self.exp_push_back(idx);
+        self.charge_nodes(key, bytes, true);
+        self.stats.inserts += 1;
+        self.stats.objects += 1;
+        self.stats.bytes_written += bytes;
+        self.stats.used_bytes += bytes;
+        self.stats.peak_bytes = self.stats.peak_bytes.max(self.stats.used_bytes);
+        if self.stats.used_bytes > self.high_bytes {
+            while self.stats.used_bytes > self.low_bytes {
+                if !self.evict_one() {
+                    break;
+                }
+            }
+        }
+        true
+    }
+
+    /// The erasure-coded group that holds `key`: `data + parity` consecutive nodes starting at
+    /// a node chosen by the key's hash, so placement is uniform and needs no directory.
+    pub fn placement(&self, key: BlockKey) -> EcGroup {
+        let n = self.cfg.storage_nodes;
+        let first = (key.0 % u64::from(n)) as u32;
+        let group = self.cfg.ec_data_shards + self.cfg.ec_parity_shards;
+        EcGroup {
+            nodes: (0..group).map(|i| StorageNodeId((first + i) % n)).collect(),
+            data_shards: self.cfg.ec_data_shards,
+        }
+    }
+
+    fn charge_nodes(&mut self, key: BlockKey, bytes: u64, add: bool) {
+        let n = self.cfg.storage_nodes;
+        let first = (key.0 % u64::from(n)) as u32;
+        let share = bytes.div_ceil(u64::from(self.cfg.ec_data_shards));
+        for i in 0..self.cfg.ec_data_shards + self.cfg.ec_parity_shards {
+            let node = &mut self.node_bytes[((first + i) % n) as usize];
+            if add {
+                *node += share;
+            } else {
+                *node -= share;
+            }
+        }
+    }
+
+    fn expiry_for(&self, class: TrafficClass) -> Nanos {
+        match self.cfg.ttl.get(class) {
+            Some(ttl) => self.now.saturating_add(ttl),
+            None => Nanos::MAX,
+        }
+    }
+
+    fn evict_one(&mut self) -> bool {
+        let h = self.lru.head;
+        if h == NIL {
+            return false;
+        }
+        self.stats.evictions += 1;
+        self.stats.evicted_bytes += self.slab[h as usize].bytes;
+        self.remove(h);
+        true
+    }
+
+    fn remove(&mut self, idx: u32) {
+        self.lru_unlink(idx);
+        self.exp_unlink(idx);
+        let e = self.slab[idx as usize];
+        self.map.remove(&e.key);
+        self.charge_nodes(e.key, e.bytes, false);
+        self.stats.used_bytes -= e.bytes;
+        self.stats.objects -= 1;
+        self.free.push(idx);
+    }
+
+    fn lru_push_back(&mut self, idx: u32) {
+        let tail = self.lru.tail;
+        {
+            let e = &mut self.slab[idx as usize];
+            e.lru_prev = tail;
+            e.lru_next = NIL;
+        }
+        if tail == NIL {
+            self.lru.head = idx;
+        } else {
+            self.slab[tail as usize].lru_next = idx;
+        }
+        self.lru.tail = idx;
+    }
+
+    fn lru_unlink(&mut self, idx: u32) {
+        let (p, n) = {
+            let e = &self.slab[idx as usize];
+            (e.lru_prev, e.lru_next)
+        };
+        if p == NIL {
+            self.lru.head = n;
+        } else {
+            self.slab[p as usize].lru_next = n;
+        }
+        if n == NIL {
+            self.lru.tail = p;
+        } else {
+            self.slab[n as usize].lru_prev = p;
+        }
+    }
+
+    fn exp_push_back(&mut self, idx: u32) {
+        let c = self.slab[idx as usize].class as usize;
+        let tail = self.expiry[c].tail;
+        {
+            let e = &mut self.slab[idx as usize];
+            e.exp_prev = tail;
+            e.exp_next = NIL;
+        }
+        if tail == NIL {
+            self.expiry[c].head = idx;
+        } else {
+            self.slab[tail as usize].exp_next = idx;
+        }
+        self.expiry[c].tail = idx;
+    }
+
+    fn exp_unlink(&mut self, idx: u32) {
+        let (p, n, c) = {
+            let e = &self.slab[idx as usize];
+            (e.exp_prev, e.exp_next, e.class as usize)
+        };
+        if p == NIL {
+            self.expiry[c].head = n;
+        } else {
+            self.slab[p as usize].exp_next = n;
+        }
+        if n == NIL {
+            self.expiry[c].tail = p;
+        } else {
+            self.slab[n as usize].exp_prev = p;
+        }
+    }
+
+    /// Checks the structure against its counters; used by tests and debug runs.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut count = 0u64;
+        let mut bytes = 0u64;
+        let mut i = self.lru.head;
+        let mut prev = NIL;
+        while i != NIL {
+            let e = &self.slab[i as usize];
+            if e.lru_prev != prev {
+                return Err("broken LRU back link".into());
+            }
+            if self.map.get(&e.key) != Some(&i) {
+                return Err("LRU entry missing from map".into());
+            }
+            if e.expires <= self.now {
+                return Err(format!("object {:?} is past its TTL but still stored", e.key));
+            }
+            count += 1;
+            bytes += e.bytes;
+            prev = i;
+            i = e.lru_next;
+        }
+        if count != self.map.len() as u64 || count != self.stats.objects {
+            return Err(format!("{count} objects in LRU, {} in map", self.map.len()));
+        }
+        if bytes != self.stats.used_bytes {
+            return Err(format!("{bytes} bytes listed, {} counted", self.stats.used_bytes));
+        }
+        if let Some(cap) = self.cfg.capacity_bytes {
+            if bytes > cap {
+                return Err(format!("{bytes} bytes stored over capacity {cap}"));
+            }
+        }
+        let node_total: u64 = self.node_bytes.iter().sum();
+        let group = u64::from(self.cfg.ec_data_shards + self.cfg.ec_parity_shards);
+        if node_total < bytes || node_total > (bytes + count * u64::from(self.cfg.ec_data_shards)) * group {
+            return Err("node accounting drifted".into());
+        }
+        for c in 0..3 {
+            let mut i = self.expiry[c].head;
+            let mut last = Nanos::ZERO;
+            while i != NIL {
+                let e = &self.slab[i as usize];
+                if e.expires < last {
+                    return Err("expiry list out of order".into());
+                }
+                last = e.expires;
+                i = e.exp_next;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn k(i: u64) -> BlockKey {
+        BlockKey(crate::content::mix64(i))
+    }
+    fn keys(r: std::ops::Range<u64>) -> Vec<BlockKey> {
+        r.map(k).collect()
+    }
+
+    #[test]
+    fn lru_evicts_oldest_past_high_watermark() {
+        let cfg = StoreConfig {
+            capacity_bytes: Some(10 * 100),
+            high_watermark: 0.9,
+            low_watermark: 0.5,
+            ttl: ClassTtl::none(),
+            ..Default::default()
+        };
+        let mut s = KvStore::new(cfg, 100).unwrap();
+        s.touch_or_insert(Nanos(1), &keys(0..9), TrafficClass::Chat); // 900 = high: no GC yet
+        assert_eq!(s.len(), 9);
+        s.touch_or_insert(Nanos(2), &keys(0..1), TrafficClass::Chat); // block 0 becomes MRU
+        s.touch_or_insert(Nanos(3), &keys(9..10), TrafficClass::Chat); // 1000 > 900 → down to 500
+        assert_eq!(s.used_bytes(), 500);
+        assert_eq!(s.stats().evictions, 5);
+        // Evicted 1..=5; kept 6, 7, 8, 0, 9.
+        assert!(s.contains(Nanos(3), k(0)));
+        assert!(!s.contains(Nanos(3), k(1)));
+        assert!(s.contains(Nanos(3), k(6)));
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn ttl_per_class_and_from_last_access() {
+        let cfg = StoreConfig {
+            ttl: ClassTtl {
+                agent: Some(Nanos(100)),
+                chat: Some(Nanos(300)),
+                other: None,
+            },
+            ..Default::default()
+        };
+        let mut s = KvStore::new(cfg, 10).unwrap();
+        s.touch_or_insert(Nanos(0), &keys(0..2), TrafficClass::Agent);
+        s.touch_or_insert(Nanos(0), &keys(2..3), TrafficClass::Chat);
+        s.touch_or_insert(Nanos(0), &keys(3..4), TrafficClass::Other);
+        s.touch_or_insert(Nanos(50), &keys(1..2), TrafficClass::Agent); // refresh block 1
+        assert_eq!(s.lookup_prefix(Nanos(99), &keys(0..1)), 1);
+        assert_eq!(s.lookup_prefix(Nanos(100), &keys(0..1)), 0, "expires at exactly its TTL");
+        assert_eq!(s.lookup_prefix(Nanos(149), &keys(1..2)), 1);
+        assert_eq!(s.lookup_prefix(Nanos(150), &keys(1..2)), 0);
+        assert_eq!(s.lookup_prefix(Nanos(299), &keys(2..3)), 1);
+        assert_eq!(s.lookup_prefix(Nanos(1_000_000), &keys(3..4)), 1);
+        assert_eq!(s.stats().expirations, 3);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn ttl_from_write_ignores_reads() {
+        let cfg = StoreConfig {
+            ttl: ClassTtl::uniform(Some(Nanos(100))),
+            ttl_from: TtlFrom::Write,
+            ..Default::default()
+        };
+        let mut s = KvStore::new(cfg, 10).unwrap();
+        s.touch_or_insert(Nanos(0), &keys(0..1), TrafficClass::Agent);
+        s.touch_or_insert(Nanos(90), &keys(0..1), TrafficClass::Agent);
+        assert!(!s.contains(Nanos(100), k(0)));
+    }
+
+    #[test]
+    fn placement_is_a_full_group() {
+        let s = KvStore::new(StoreConfig::default(), 10).unwrap();
+        let g = s.placement(k(7));
+        assert_eq!(g.nodes.len(), 12);
+        let mut n = g.nodes.clone();
+        n.sort();
+        n.dedup();
+        assert_eq!(n.len(), 12);
+    }
+
+    #[test]
+    fn rejects_bad_configs() {
+        let tiny = StoreConfig {
+            capacity_bytes: Some(5),
+            ..Default::default()
+        };
+        assert!(KvStore::new(tiny, 10).unwrap_err().to_string().contains("capacity_bytes"));
+        let marks = StoreConfig {
+            high_watermark: 0.5,
+            low_watermark: 0.8,
+            ..Default::default()
+        };
+        assert!(KvStore::new(marks, 10).is_err());
+        let nodes = StoreConfig {
+            storage_nodes: 5,
+            ..Default::default()
+        };
+        assert!(KvStore::new(nodes, 10).unwrap_err().to_string().contains("storage_nodes"));
+    }
+
+    proptest! {
+        #[test]
+        fn never_over_capacity_never_past_ttl(ops in proptest::collection::vec((0u64..60, 0u64..40, 0u8..3, 1u64..30), 1..300),
+                                              cap_blocks in 1u64..40, ttl in 1u64..200) {
+            let cfg = StoreConfig {
+                capacity_bytes: Some(cap_blocks * 10),
+                ttl: ClassTtl { agent: Some(Nanos(ttl)), chat: Some(Nanos(ttl * 2)), other: None },
+                ..Default::default()
+            };
+            let mut s = KvStore::new(cfg, 10).unwrap();
+            let mut now = 0u64;
+            let mut last_write: std::collections::HashMap<u64, (u64, u8)> = Default::default();
+            for (start, len, class, dt) in ops {
+                now += dt;
+                let class = TrafficClass::ALL[class as usize];
+                let ks = keys(start..start + len % 8);
+                let run = s.lookup_prefix(Nanos(now), &ks);
+                // Everything served was touched within its TTL.
+                for i in start..start + run as u64 {
+                    let (t, c) = last_write[&i];
+                    let ttl_c = match c { 0 => Some(ttl), 1 => Some(ttl * 2), _ => None };
+                    if let Some(d) = ttl_c { prop_assert!(now < t + d); }
+                }
+                s.touch_or_insert(Nanos(now), &ks, class);
+                for i in start..start + len % 8 { last_write.insert(i, (now, class as u8)); }
+                prop_assert!(s.used_bytes() <= cap_blocks * 10);
+                s.check_invariants().map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+}
