@@ -5,12 +5,16 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod consts;
+pub mod econ;
+pub mod engine;
+pub mod eplb;
 pub mod content;
 pub mod error;
 pub mod hit;
 pub mod ids;
 pub mod perfect;
 pub mod request;
+pub mod seed;
 pub mod store;
 pub mod swa;
 pub mod time;

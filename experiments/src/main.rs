@@ -1,1 +1,49 @@
-fn main() {}
+//! `servelab`: experiments, trace replay, single-decision explanations and instruments.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+mod cmd;
+mod config;
+mod exp;
+mod output;
+mod plot;
+
+#[derive(Parser)]
+#[command(name = "servelab", version, about = "Policies of large-scale LLM serving, measured in a simulator and on a GPU")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run an experiment config (tables, plots, summary and manifest).
+    Run(cmd::run::Args),
+    /// Explain one hit decision.
+    Hit(cmd::hit::Args),
+    /// Replay a trace through the block store (no timing) and print hit rates.
+    Replay(cmd::replay::Args),
+    /// DeepSeek EPLB: place redundant experts on GPUs.
+    Eplb(cmd::eplb::Args),
+    /// Economics of SPEC §12: revenue, pool sizes and the storage band.
+    Econ(cmd::econ::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => cmd::run::run(a),
+        Command::Hit(a) => cmd::hit::run(a),
+        Command::Replay(a) => cmd::replay::run(a),
+        Command::Eplb(a) => cmd::eplb::run(a),
+        Command::Econ(a) => cmd::econ::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! DeepSeek EPLB (SPEC §9): rebalance_experts and the expert-load model.

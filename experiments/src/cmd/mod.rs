@@ -1,0 +1,6 @@
+//! One module per subcommand: its clap arguments and its entry point.
+pub mod econ;
+pub mod eplb;
+pub mod hit;
+pub mod replay;
+pub mod run;

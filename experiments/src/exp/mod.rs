@@ -1,0 +1,37 @@
+//! Experiments: each reads its typed config and writes tables, plots, a summary and a manifest.
+
+use crate::config::LoadedConfig;
+use std::path::PathBuf;
+
+pub mod cache_policy;
+pub mod eplb;
+
+pub const KINDS: &[&str] = &["cache-policy", "eplb"];
+
+pub struct RunContext {
+    pub config: LoadedConfig,
+    pub out: PathBuf,
+    pub quiet: bool,
+}
+
+impl RunContext {
+    pub fn seed(&self) -> u64 {
+        self.config.header.seed
+    }
+}
+
+/// A progress bar that is hidden with `--quiet` or when stderr is not a terminal.
+pub fn progress(ctx: &RunContext, len: u64, what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if ctx.quiet || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    pb
+}

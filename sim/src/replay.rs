@@ -1,0 +1,1 @@
+//! Trace-level replay (in progress).

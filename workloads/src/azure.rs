@@ -1,0 +1,1 @@
+//! Importer: azure (in progress).

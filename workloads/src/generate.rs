@@ -1,0 +1,1 @@
+//! Seeded workload generators (SPEC §13).

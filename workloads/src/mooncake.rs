@@ -1,0 +1,1 @@
+//! Importer: mooncake (in progress).
