@@ -39,12 +39,12 @@ impl RunOutput {
         CsvWriter::new(&mut f)
             .include_header(true)
             .finish(df)
-            .with_context(|| format!("writing {}", csv.display()))?;
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", csv.display()))?;
         let pq = self.path(&format!("{name}.parquet"));
         let f = File::create(&pq).with_context(|| format!("creating {}", pq.display()))?;
         ParquetWriter::new(f)
             .finish(df)
-            .with_context(|| format!("writing {}", pq.display()))?;
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", pq.display()))?;
         Ok(())
     }
 

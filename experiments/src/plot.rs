@@ -39,7 +39,7 @@ pub fn grouped_bars(
         .flat_map(|(_, v)| v.iter().copied())
         .fold(0.0f64, f64::max)
         .max(1e-9)
-        * 1.15;
+        * 1.45;
     let n = categories.len().max(1);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use thiserror::Error;
 
 pub mod azure;
+pub mod dist;
 pub mod generate;
 pub mod mooncake;
 pub mod native;

@@ -1,8 +1,167 @@
-//! `servelab replay` (in progress).
+//! `servelab replay`: block-level replay of a trace through the store (no timing).
+
+use anyhow::{Context, Result, bail};
+use servelab_core::{ClassTtl, Nanos, StoreConfig, TrafficClass, parse_duration};
+use servelab_sim::replay::block_replay;
+use servelab_workloads::{Trace, azure, mooncake, native};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Format {
+    Mooncake,
+    Azure,
+    Native,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum)]
+pub enum StorePolicy {
+    /// Capacity-bound LRU, no TTL.
+    Lru,
+    /// TTL only, unbounded capacity.
+    Ttl,
+    /// Both.
+    LruTtl,
+}
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Trace file.
+    #[arg(long)]
+    pub trace: PathBuf,
+    #[arg(long, value_enum)]
+    pub format: Format,
+    /// Block size in tokens (Mooncake default: the trace's own 512-token blocks; else 128).
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// Store capacity in blocks.
+    #[arg(long, conflicts_with = "capacity_bytes")]
+    pub capacity_blocks: Option<u64>,
+    /// Store capacity in logical KV bytes (before erasure coding).
+    #[arg(long)]
+    pub capacity_bytes: Option<u64>,
+    /// TTL of every block, e.g. 3d, 7d, 10min (counted from the last access).
+    #[arg(long)]
+    pub ttl: Option<String>,
+    /// lru, ttl or lru-ttl (default: whatever the capacity and TTL flags imply).
+    #[arg(long, value_enum)]
+    pub policy: Option<StorePolicy>,
+    /// Also write each request's output blocks to the store.
+    #[arg(long)]
+    pub cache_outputs: bool,
+    /// KV bytes per token (890 for V4.1-Flash).
+    #[arg(long, default_value_t = 890)]
+    pub bytes_per_token: u32,
+    /// Traffic class given to the trace's requests (agent, chat, other): picks nothing but the
+    /// label here, since `--ttl` applies to every class.
+    #[arg(long, default_value = "other")]
+    pub class: String,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("servelab replay: not available in this build")
+pub fn run(a: Args) -> Result<()> {
+    let class = TrafficClass::parse(&a.class)
+        .with_context(|| format!("--class: unknown class `{}` (agent, chat, other)", a.class))?;
+    if a.block_size == Some(0) {
+        bail!("--block-size must be positive");
+    }
+    if a.bytes_per_token == 0 {
+        bail!("--bytes-per-token must be positive");
+    }
+    let trace: Trace = match a.format {
+        Format::Mooncake => mooncake::load(
+            &a.trace,
+            &mooncake::MooncakeOptions {
+                block_tokens: a.block_size,
+                class,
+                ..Default::default()
+            },
+        )?,
+        Format::Azure => azure::load(
+            &a.trace,
+            &azure::AzureOptions {
+                block_tokens: a.block_size.unwrap_or(128),
+                class,
+            },
+        )?,
+        Format::Native => native::load(
+            &a.trace,
+            &native::NativeOptions {
+                block_tokens: a.block_size.unwrap_or(128),
+                ..Default::default()
+            },
+        )?,
+    };
+    let block_bytes = u64::from(trace.block_tokens) * u64::from(a.bytes_per_token);
+    let ttl: Option<Nanos> = a
+        .ttl
+        .as_deref()
+        .map(parse_duration)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--ttl: {e}"))?;
+    if ttl == Some(Nanos::ZERO) {
+        bail!("--ttl must be positive");
+    }
+    let capacity = match (a.capacity_blocks, a.capacity_bytes) {
+        (Some(b), _) => Some(
+            b.checked_mul(block_bytes)
+                .context("--capacity-blocks is too large")?,
+        ),
+        (None, c) => c,
+    };
+    if capacity == Some(0) {
+        bail!("the store capacity must be positive");
+    }
+    let policy = a.policy.unwrap_or(match (capacity.is_some(), ttl.is_some()) {
+        (_, false) => StorePolicy::Lru,
+        (false, true) => StorePolicy::Ttl,
+        (true, true) => StorePolicy::LruTtl,
+    });
+    match policy {
+        StorePolicy::Lru if ttl.is_some() => bail!("--policy lru takes no --ttl (use lru-ttl)"),
+        StorePolicy::Ttl if capacity.is_some() => {
+            bail!("--policy ttl has unbounded capacity: drop --capacity-* or use lru-ttl")
+        }
+        StorePolicy::Ttl | StorePolicy::LruTtl if ttl.is_none() => {
+            bail!("--policy {policy:?} needs --ttl")
+        }
+        StorePolicy::LruTtl if capacity.is_none() => {
+            bail!("--policy lru-ttl needs --capacity-blocks or --capacity-bytes")
+        }
+        _ => {}
+    }
+    let store = StoreConfig {
+        capacity_bytes: capacity,
+        ttl: ClassTtl::uniform(ttl),
+        // The replay semantics: capacity bounds what stays, evicting exactly what does not fit.
+        high_watermark: 1.0,
+        low_watermark: 1.0,
+        ..StoreConfig::default()
+    };
+    let rep = block_replay(&trace, &store, block_bytes, a.cache_outputs)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if a.json {
+        let mut v = serde_json::to_value(&rep)?;
+        let o = v.as_object_mut().expect("report is an object");
+        o.insert("trace".into(), a.trace.display().to_string().into());
+        o.insert("block_tokens".into(), trace.block_tokens.into());
+        o.insert("policy".into(), format!("{policy:?}").to_lowercase().into());
+        o.insert("capacity_bytes".into(), capacity.into());
+        o.insert("ttl".into(), ttl.map(|t| t.to_string()).into());
+        o.insert("cache_outputs".into(), a.cache_outputs.into());
+        println!("{v}");
+    } else {
+        println!("trace           {} ({} requests, block {} tokens)", a.trace.display(), rep.requests, trace.block_tokens);
+        println!("input tokens    {}", rep.input_tokens);
+        println!("hit tokens      {} ({:.2}%)", rep.hit_tokens, 100.0 * rep.token_hit_rate);
+        println!("block hit rate  {:.2}% of {} blocks", 100.0 * rep.block_hit_rate, rep.blocks);
+        println!(
+            "store           {} evictions, {} expirations, peak {:.3} GB",
+            rep.store.evictions,
+            rep.store.expirations,
+            rep.store.peak_bytes as f64 / 1e9
+        );
+    }
+    Ok(())
 }
