@@ -47,9 +47,9 @@ impl Default for AzureOptions {
 /// Reads an Azure 2023 trace file.
 pub fn load(path: &Path, opts: &AzureOptions) -> Result<Trace, TraceError> {
     check_block_tokens(opts, path)?;
-    let file = File::open(path).map_err(|source| TraceError::Io {
+    let file = File::open(path).map_err(|cause| TraceError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
     read(BufReader::new(file), path, opts)
 }
@@ -286,7 +286,7 @@ pub(crate) fn parse_timestamp(s: &str) -> Result<i128, String> {
 }
 
 fn is_leap(year: u32) -> bool {
-    (year % 4 == 0 && year % 100 != 0) || year % 400 == 0
+    (year.is_multiple_of(4) && !year.is_multiple_of(100)) || year.is_multiple_of(400)
 }
 
 fn days_in_month(year: u32, month: u32) -> u32 {

@@ -48,10 +48,10 @@ impl Dist {
                 if !(sigma.is_finite() && sigma >= 0.0) {
                     return bad("sigma must be >= 0");
                 }
-                if let (Some(a), Some(b)) = (min, max) {
-                    if a > b {
-                        return bad("min must not exceed max");
-                    }
+                if let (Some(a), Some(b)) = (min, max)
+                    && a > b
+                {
+                    return bad("min must not exceed max");
                 }
                 Ok(())
             }

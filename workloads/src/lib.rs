@@ -45,12 +45,9 @@ impl Trace {
 /// Errors reading a trace: always the file, and for bad content the line and the field.
 #[derive(Debug, Error)]
 pub enum TraceError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The cause is part of the message (not a `source`), so error chains don't repeat it.
+    #[error("{path}: {cause}")]
+    Io { path: PathBuf, cause: std::io::Error },
     #[error("{path}:{line}: field `{field}`: {reason}")]
     Field {
         path: PathBuf,

@@ -61,7 +61,7 @@ impl MooncakeOptions {
         }
         // Any size would hash consistently, but only these keep a block inside whole hash
         // blocks or whole sub-blocks, which is what "re-blocking" a Mooncake trace means.
-        if h % b != 0 && b % h != 0 {
+        if !h.is_multiple_of(b) && !b.is_multiple_of(h) {
             return Err(format!(
                 "block_tokens = {b} must divide the trace's {h}-token hash blocks or be a \
                  multiple of them (e.g. 16, 32, 64, 128, 256, 512, 1024)"
@@ -75,9 +75,9 @@ impl MooncakeOptions {
 pub fn load(path: &Path, opts: &MooncakeOptions) -> Result<Trace, TraceError> {
     // Validate the options before touching the file, so a bad block size is reported as such.
     let _ = block_tokens(opts, path)?;
-    let file = File::open(path).map_err(|source| TraceError::Io {
+    let file = File::open(path).map_err(|cause| TraceError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
     read(BufReader::new(file), path, opts)
 }

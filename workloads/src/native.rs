@@ -96,9 +96,9 @@ impl NativeRecord {
 
 /// Reads a native trace file.
 pub fn load(path: &Path, opts: &NativeOptions) -> Result<Trace, TraceError> {
-    let file = File::open(path).map_err(|source| TraceError::Io {
+    let file = File::open(path).map_err(|cause| TraceError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
     read(BufReader::new(file), path, opts)
 }
@@ -473,9 +473,9 @@ pub(crate) mod lines {
             buf.clear();
             let n = reader
                 .read_until(b'\n', &mut buf)
-                .map_err(|source| TraceError::Io {
+                .map_err(|cause| TraceError::Io {
                     path: path.to_path_buf(),
-                    source,
+                    cause,
                 })?;
             if n == 0 {
                 return Ok(());

@@ -60,6 +60,16 @@ pub struct Args {
     pub json: bool,
 }
 
+impl StorePolicy {
+    fn name(self) -> &'static str {
+        match self {
+            StorePolicy::Lru => "lru",
+            StorePolicy::Ttl => "ttl",
+            StorePolicy::LruTtl => "lru-ttl",
+        }
+    }
+}
+
 pub fn run(a: Args) -> Result<()> {
     let class = TrafficClass::parse(&a.class)
         .with_context(|| format!("--class: unknown class `{}` (agent, chat, other)", a.class))?;
@@ -68,6 +78,34 @@ pub fn run(a: Args) -> Result<()> {
     }
     if a.bytes_per_token == 0 {
         bail!("--bytes-per-token must be positive");
+    }
+    let ttl: Option<Nanos> = a
+        .ttl
+        .as_deref()
+        .map(parse_duration)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--ttl: {e}"))?;
+    if ttl == Some(Nanos::ZERO) {
+        bail!("--ttl must be positive");
+    }
+    let has_capacity = a.capacity_blocks.is_some() || a.capacity_bytes.is_some();
+    let policy = a.policy.unwrap_or(match (has_capacity, ttl.is_some()) {
+        (_, false) => StorePolicy::Lru,
+        (false, true) => StorePolicy::Ttl,
+        (true, true) => StorePolicy::LruTtl,
+    });
+    match policy {
+        StorePolicy::Lru if ttl.is_some() => bail!("--policy lru takes no --ttl (use lru-ttl)"),
+        StorePolicy::Ttl if has_capacity => {
+            bail!("--policy ttl has unbounded capacity: drop --capacity-* or use lru-ttl")
+        }
+        StorePolicy::Ttl | StorePolicy::LruTtl if ttl.is_none() => {
+            bail!("--policy {} needs --ttl", policy.name())
+        }
+        StorePolicy::LruTtl if !has_capacity => {
+            bail!("--policy lru-ttl needs --capacity-blocks or --capacity-bytes")
+        }
+        _ => {}
     }
     let trace: Trace = match a.format {
         Format::Mooncake => mooncake::load(
@@ -89,20 +127,10 @@ pub fn run(a: Args) -> Result<()> {
             &a.trace,
             &native::NativeOptions {
                 block_tokens: a.block_size.unwrap_or(128),
-                ..Default::default()
             },
         )?,
     };
     let block_bytes = u64::from(trace.block_tokens) * u64::from(a.bytes_per_token);
-    let ttl: Option<Nanos> = a
-        .ttl
-        .as_deref()
-        .map(parse_duration)
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--ttl: {e}"))?;
-    if ttl == Some(Nanos::ZERO) {
-        bail!("--ttl must be positive");
-    }
     let capacity = match (a.capacity_blocks, a.capacity_bytes) {
         (Some(b), _) => Some(
             b.checked_mul(block_bytes)
@@ -112,24 +140,6 @@ pub fn run(a: Args) -> Result<()> {
     };
     if capacity == Some(0) {
         bail!("the store capacity must be positive");
-    }
-    let policy = a.policy.unwrap_or(match (capacity.is_some(), ttl.is_some()) {
-        (_, false) => StorePolicy::Lru,
-        (false, true) => StorePolicy::Ttl,
-        (true, true) => StorePolicy::LruTtl,
-    });
-    match policy {
-        StorePolicy::Lru if ttl.is_some() => bail!("--policy lru takes no --ttl (use lru-ttl)"),
-        StorePolicy::Ttl if capacity.is_some() => {
-            bail!("--policy ttl has unbounded capacity: drop --capacity-* or use lru-ttl")
-        }
-        StorePolicy::Ttl | StorePolicy::LruTtl if ttl.is_none() => {
-            bail!("--policy {policy:?} needs --ttl")
-        }
-        StorePolicy::LruTtl if capacity.is_none() => {
-            bail!("--policy lru-ttl needs --capacity-blocks or --capacity-bytes")
-        }
-        _ => {}
     }
     let store = StoreConfig {
         capacity_bytes: capacity,
@@ -146,7 +156,7 @@ pub fn run(a: Args) -> Result<()> {
         let o = v.as_object_mut().expect("report is an object");
         o.insert("trace".into(), a.trace.display().to_string().into());
         o.insert("block_tokens".into(), trace.block_tokens.into());
-        o.insert("policy".into(), format!("{policy:?}").to_lowercase().into());
+        o.insert("policy".into(), policy.name().into());
         o.insert("capacity_bytes".into(), capacity.into());
         o.insert("ttl".into(), ttl.map(|t| t.to_string()).into());
         o.insert("cache_outputs".into(), a.cache_outputs.into());

@@ -1,0 +1,189 @@
+//! End-to-end tests of the `servelab` command: determinism of `run`, hand-computed answers of
+//! `hit` and `replay`, and errors that name the file, line and field.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn servelab(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_servelab"))
+        .args(args)
+        .output()
+        .expect("servelab runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("servelab-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+const SMALL: &str = r#"
+policies = ["deepinfer", "perfect-cache", "ordinary-model", "exact-rebuild", "swa-on-ssd"]
+
+[experiment]
+kind = "cache-policy"
+seed = 7
+
+[[workload]]
+name = "agent"
+[workload.mix.agent]
+sessions = 4
+session_rate_per_s = 0.5
+turns = { kind = "fixed", value = 6 }
+system_prompts = 2
+system_prompt_tokens = { kind = "uniform", min = 500, max = 2000 }
+task_tokens = { kind = "fixed", value = 300 }
+reply_tokens = { kind = "lognormal", median = 200, sigma = 0.5 }
+tool_result_tokens = { kind = "uniform", min = 200, max = 4000 }
+think_time_s = { kind = "exponential", mean = 5.0 }
+
+[[workload]]
+name = "chat"
+[workload.mix.chat]
+sessions = 10
+session_rate_per_s = 1.0
+turns = { kind = "fixed", value = 4 }
+system_prompts = 3
+system_prompt_tokens = { kind = "fixed", value = 900 }
+user_tokens = { kind = "uniform", min = 10, max = 300 }
+reply_tokens = { kind = "uniform", min = 50, max = 400 }
+think_time_s = { kind = "fixed", value = 30.0 }
+"#;
+
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn run_is_byte_identical_for_the_same_seed() {
+    let d = scratch("determinism");
+    let cfg = d.join("small.toml");
+    std::fs::write(&cfg, SMALL).unwrap();
+    let (a, b, c) = (d.join("a"), d.join("b"), d.join("c"));
+    for out in [&a, &b] {
+        let o = servelab(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stdout(&o).contains("seed 7"), "the seed is printed");
+    }
+    let fa = files(&a);
+    let names: Vec<&str> = fa.iter().map(|(n, _)| n.as_str()).collect();
+    for want in ["table.csv", "table.parquet", "policies.csv", "hit_rates.svg", "summary.md", "manifest.json"] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    assert_eq!(fa, files(&b), "same config and seed must give identical bytes");
+    let o = servelab(&["run", cfg.to_str().unwrap(), "--out", c.to_str().unwrap(), "--seed", "8", "--quiet"]);
+    assert!(o.status.success());
+    let table = |d: &Path| std::fs::read(d.join("policies.csv")).unwrap();
+    assert_ne!(table(&a), table(&c), "another seed gives other numbers");
+}
+
+#[test]
+fn unknown_config_key_names_file_line_and_key() {
+    let d = scratch("badkey");
+    let cfg = d.join("bad.toml");
+    std::fs::write(&cfg, SMALL.replace("sessions = 10", "sessions = 10\nsesions = 3")).unwrap();
+    let o = servelab(&["run", cfg.to_str().unwrap(), "--out", d.join("o").to_str().unwrap()]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("bad.toml") && e.contains("sesions") && e.contains("line"), "{e}");
+}
+
+#[test]
+fn impossible_parameter_is_rejected_by_name() {
+    let d = scratch("badparam");
+    let cfg = d.join("bad.toml");
+    std::fs::write(&cfg, SMALL.replace("session_rate_per_s = 1.0", "session_rate_per_s = -1.0")).unwrap();
+    let o = servelab(&["run", cfg.to_str().unwrap(), "--out", d.join("o").to_str().unwrap()]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("workload.chat.session_rate_per_s"), "{e}");
+}
+
+#[test]
+fn hit_explains_a_back_off() {
+    // L = 1,000, b = 896, SWA only at 896: cap = 768 → no state there → back off to 640.
+    let o = servelab(&["hit", "--prompt-len", "1000", "--cached-tokens", "896", "--swa-at", "896", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["hit_tokens"], 640);
+    assert_eq!(v["encoder_tokens"], 360);
+    assert_eq!(v["encoder_replay_tokens"], 128);
+    assert_eq!(v["decoder_tokens"], 140);
+    assert_eq!(v["reason"], "no_swa_state_backed_off");
+    let o = servelab(&["hit", "--prompt-len", "100", "--cached-tokens", "200", "--json"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--cached-tokens"));
+    let o = servelab(&["hit", "--prompt-len", "1000", "--cached-tokens", "0", "--policy", "magic"]);
+    assert!(stderr(&o).contains("unknown policy"));
+}
+
+#[test]
+fn replay_mooncake_hand_computed() {
+    let d = scratch("mooncake");
+    let t = d.join("t.jsonl");
+    // Request 2 shares the first two 512-token blocks of request 1.
+    std::fs::write(
+        &t,
+        "{\"timestamp\": 0, \"input_length\": 1100, \"output_length\": 10, \"hash_ids\": [1, 2, 3]}\n\
+         {\"timestamp\": 5, \"input_length\": 1500, \"output_length\": 10, \"hash_ids\": [1, 2, 4]}\n",
+    )
+    .unwrap();
+    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["requests"], 2);
+    assert_eq!(v["input_tokens"], 2600);
+    assert_eq!(v["hit_tokens"], 1024);
+    assert_eq!(v["blocks"], 6);
+    assert_eq!(v["block_hits"], 2);
+    // At 128-token blocks the shared 1,024 tokens are 8 sub-blocks; the rest differ.
+    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--block-size", "128", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["hit_tokens"], 1024);
+    assert_eq!(v["block_hits"], 8);
+    // A capacity of one 512-token block keeps only the last one written: nothing hits.
+    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--capacity-blocks", "1", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["hit_tokens"], 0);
+    // A TTL shorter than the 5 ms gap expires everything.
+    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--ttl", "4ms", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(v["hit_tokens"], 0);
+    assert_eq!(v["policy"], "ttl");
+}
+
+#[test]
+fn replay_bad_input_names_file_line_and_field() {
+    let d = scratch("badtrace");
+    let t = d.join("bad.jsonl");
+    std::fs::write(
+        &t,
+        "{\"timestamp\": 0, \"input_length\": 100, \"output_length\": 10, \"hash_ids\": [1]}\n\
+         {\"timestamp\": 1, \"input_length\": -5, \"output_length\": 10, \"hash_ids\": [1]}\n",
+    )
+    .unwrap();
+    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--json"]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("bad.jsonl") && e.contains(":2") && e.contains("input_length"), "{e}");
+    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--policy", "lru-ttl"]);
+    assert!(!o.status.success());
+    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--ttl", "3 weeks"]);
+    assert!(stderr(&o).contains("--ttl"), "{}", stderr(&o));
+}
