@@ -187,3 +187,18 @@ fn replay_bad_input_names_file_line_and_field() {
     let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--ttl", "3 weeks"]);
     assert!(stderr(&o).contains("--ttl"), "{}", stderr(&o));
 }
+
+#[test]
+fn main_job_reproduces_the_published_table() {
+    // The shipped config, on its own seed: every SPEC §13 cell within tolerance.
+    let d = scratch("mainjob");
+    let cfg = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/cache-policy.toml");
+    let o = servelab(&["run", cfg, "--out", d.to_str().unwrap(), "--quiet"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let table = std::fs::read_to_string(d.join("table.csv")).unwrap();
+    let rows: Vec<&str> = table.lines().skip(1).collect();
+    assert_eq!(rows.len(), 15, "3 workloads x 5 cells");
+    for r in rows {
+        assert!(r.ends_with(",true"), "cell outside tolerance: {r}");
+    }
+}

@@ -40,6 +40,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     match ctx.config.header.kind.as_str() {
         "cache-policy" => exp::cache_policy::run(&ctx),
+        "econ-sweep" => exp::econ::run(&ctx),
         "eplb" => exp::eplb::run(&ctx),
         other => bail!(
             "{}: unknown experiment kind `{other}` (known: {})",

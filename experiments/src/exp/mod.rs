@@ -4,9 +4,10 @@ use crate::config::LoadedConfig;
 use std::path::PathBuf;
 
 pub mod cache_policy;
+pub mod econ;
 pub mod eplb;
 
-pub const KINDS: &[&str] = &["cache-policy", "eplb"];
+pub const KINDS: &[&str] = &["cache-policy", "econ-sweep", "eplb"];
 
 pub struct RunContext {
     pub config: LoadedConfig,
