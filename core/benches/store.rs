@@ -11,7 +11,11 @@ const CHAINS: usize = 256;
 
 fn chains() -> Vec<Vec<BlockKey>> {
     (0..CHAINS)
-        .map(|c| (0..CHAIN).map(|i| BlockKey(mix64((c * CHAIN + i) as u64))).collect())
+        .map(|c| {
+            (0..CHAIN)
+                .map(|i| BlockKey(mix64((c * CHAIN + i) as u64)))
+                .collect()
+        })
         .collect()
 }
 

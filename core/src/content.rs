@@ -105,8 +105,11 @@ impl ContentChain {
         if pos_tokens == 0 {
             return None;
         }
-        if pos_tokens % self.block_tokens == 0 {
-            return self.blocks.get((pos_tokens / self.block_tokens) as usize - 1).copied();
+        if pos_tokens.is_multiple_of(self.block_tokens) {
+            return self
+                .blocks
+                .get((pos_tokens / self.block_tokens) as usize - 1)
+                .copied();
         }
         self.marks
             .binary_search_by_key(&pos_tokens, |m| m.pos_tokens)

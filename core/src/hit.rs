@@ -61,7 +61,11 @@ impl HitPolicy {
 
     pub fn parse(s: &str) -> Option<HitPolicy> {
         let s = s.trim().to_ascii_lowercase().replace('_', "-");
-        let s = if s == "deepinfer-rules" { "deepinfer".to_string() } else { s };
+        let s = if s == "deepinfer-rules" {
+            "deepinfer".to_string()
+        } else {
+            s
+        };
         HitPolicy::ALL.into_iter().find(|p| p.name() == s)
     }
 
@@ -132,7 +136,8 @@ impl HitPolicy {
                 HitDecision::computed(l, perfect, 0, replay, HitReason::PerfectCache)
             }
             HitPolicy::OrdinaryModel => {
-                let mut d = HitDecision::computed(l, perfect, 0, l - perfect, HitReason::PerfectCache);
+                let mut d =
+                    HitDecision::computed(l, perfect, 0, l - perfect, HitReason::PerfectCache);
                 d.decoder_only = true;
                 d
             }
@@ -369,10 +374,16 @@ mod tests {
     fn golden_short_prompts() {
         // L = 262: cap = floor(128/128)*128 = 128, h0 = 128, no SWA → no hit.
         let d = HitPolicy::Deepinfer.decide(&c(), inp(262, 256), |_| false);
-        assert_eq!((d.hit_tokens, d.reason), (0, HitReason::NoSwaStateSingleBlock));
+        assert_eq!(
+            (d.hit_tokens, d.reason),
+            (0, HitReason::NoSwaStateSingleBlock)
+        );
         // Same with SWA state at 128: one block hits.
         let d = HitPolicy::Deepinfer.decide(&c(), inp(262, 256), |p| p == 128);
-        assert_eq!((d.hit_tokens, d.reason), (128, HitReason::CappedWithSwaState));
+        assert_eq!(
+            (d.hit_tokens, d.reason),
+            (128, HitReason::CappedWithSwaState)
+        );
         // L = 261: cap = 0.
         let d = HitPolicy::Deepinfer.decide(&c(), inp(261, 256), |_| true);
         assert_eq!((d.hit_tokens, d.reason), (0, HitReason::CappedToNothing));
@@ -407,7 +418,10 @@ mod tests {
         for p in HitPolicy::ALL {
             assert_eq!(HitPolicy::parse(p.name()), Some(p));
         }
-        assert_eq!(HitPolicy::parse("deepinfer-rules"), Some(HitPolicy::Deepinfer));
+        assert_eq!(
+            HitPolicy::parse("deepinfer-rules"),
+            Some(HitPolicy::Deepinfer)
+        );
         assert_eq!(HitPolicy::parse("nope"), None);
     }
 

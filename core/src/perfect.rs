@@ -52,7 +52,8 @@ impl PerfectCache {
         let bs = req.block_tokens();
         let first = (from / bs) as usize;
         let all = req.content.full_blocks(to);
-        self.seen.extend(all[first.min(all.len())..].iter().copied());
+        self.seen
+            .extend(all[first.min(all.len())..].iter().copied());
         self.seen
             .extend(req.content.marks_between(from, to).iter().map(|m| m.key));
     }

@@ -16,7 +16,8 @@ pub enum TrafficClass {
 }
 
 impl TrafficClass {
-    pub const ALL: [TrafficClass; 3] = [TrafficClass::Agent, TrafficClass::Chat, TrafficClass::Other];
+    pub const ALL: [TrafficClass; 3] =
+        [TrafficClass::Agent, TrafficClass::Chat, TrafficClass::Other];
     pub fn index(self) -> usize {
         self as usize
     }

@@ -123,13 +123,13 @@ impl StoreConfig {
                 ),
             );
         }
-        if let Some(cap) = self.capacity_bytes {
-            if cap < block_bytes {
-                return bad(
-                    "capacity_bytes",
-                    format!("{cap} bytes cannot hold one block of {block_bytes} bytes"),
-                );
-            }
+        if let Some(cap) = self.capacity_bytes
+            && cap < block_bytes
+        {
+            return bad(
+                "capacity_bytes",
+                format!("{cap} bytes cannot hold one block of {block_bytes} bytes"),
+            );
         }
         if self.ec_data_shards == 0 {
             return bad("ec_data_shards", "must be positive".into());
@@ -138,7 +138,10 @@ impl StoreConfig {
         if self.storage_nodes < group {
             return bad(
                 "storage_nodes",
-                format!("{} nodes cannot hold a {group}-node erasure-coded group", self.storage_nodes),
+                format!(
+                    "{} nodes cannot hold a {group}-node erasure-coded group",
+                    self.storage_nodes
+                ),
             );
         }
         for class in TrafficClass::ALL {
@@ -530,7 +533,10 @@ impl KvStore {
                 return Err("LRU entry missing from map".into());
             }
             if e.expires <= self.now {
-                return Err(format!("object {:?} is past its TTL but still stored", e.key));
+                return Err(format!(
+                    "object {:?} is past its TTL but still stored",
+                    e.key
+                ));
             }
             count += 1;
             bytes += e.bytes;
@@ -541,16 +547,21 @@ impl KvStore {
             return Err(format!("{count} objects in LRU, {} in map", self.map.len()));
         }
         if bytes != self.stats.used_bytes {
-            return Err(format!("{bytes} bytes listed, {} counted", self.stats.used_bytes));
+            return Err(format!(
+                "{bytes} bytes listed, {} counted",
+                self.stats.used_bytes
+            ));
         }
-        if let Some(cap) = self.cfg.capacity_bytes {
-            if bytes > cap {
-                return Err(format!("{bytes} bytes stored over capacity {cap}"));
-            }
+        if let Some(cap) = self.cfg.capacity_bytes
+            && bytes > cap
+        {
+            return Err(format!("{bytes} bytes stored over capacity {cap}"));
         }
         let node_total: u64 = self.node_bytes.iter().sum();
         let group = u64::from(self.cfg.ec_data_shards + self.cfg.ec_parity_shards);
-        if node_total < bytes || node_total > (bytes + count * u64::from(self.cfg.ec_data_shards)) * group {
+        if node_total < bytes
+            || node_total > (bytes + count * u64::from(self.cfg.ec_data_shards)) * group
+        {
             return Err("node accounting drifted".into());
         }
         for c in 0..3 {
@@ -620,7 +631,11 @@ mod tests {
         s.touch_or_insert(Nanos(0), &keys(3..4), TrafficClass::Other);
         s.touch_or_insert(Nanos(50), &keys(1..2), TrafficClass::Agent); // refresh block 1
         assert_eq!(s.lookup_prefix(Nanos(99), &keys(0..1)), 1);
-        assert_eq!(s.lookup_prefix(Nanos(100), &keys(0..1)), 0, "expires at exactly its TTL");
+        assert_eq!(
+            s.lookup_prefix(Nanos(100), &keys(0..1)),
+            0,
+            "expires at exactly its TTL"
+        );
         assert_eq!(s.lookup_prefix(Nanos(149), &keys(1..2)), 1);
         assert_eq!(s.lookup_prefix(Nanos(150), &keys(1..2)), 0);
         assert_eq!(s.lookup_prefix(Nanos(299), &keys(2..3)), 1);
@@ -659,7 +674,12 @@ mod tests {
             capacity_bytes: Some(5),
             ..Default::default()
         };
-        assert!(KvStore::new(tiny, 10).unwrap_err().to_string().contains("capacity_bytes"));
+        assert!(
+            KvStore::new(tiny, 10)
+                .unwrap_err()
+                .to_string()
+                .contains("capacity_bytes")
+        );
         let marks = StoreConfig {
             high_watermark: 0.5,
             low_watermark: 0.8,
@@ -670,7 +690,12 @@ mod tests {
             storage_nodes: 5,
             ..Default::default()
         };
-        assert!(KvStore::new(nodes, 10).unwrap_err().to_string().contains("storage_nodes"));
+        assert!(
+            KvStore::new(nodes, 10)
+                .unwrap_err()
+                .to_string()
+                .contains("storage_nodes")
+        );
     }
 
     proptest! {

@@ -36,7 +36,10 @@ impl SwaConfig {
             return Err(ConfigError::invalid("swa.machines", "must be positive"));
         }
         if self.slots_per_machine == 0 {
-            return Err(ConfigError::invalid("swa.slots_per_machine", "must be positive"));
+            return Err(ConfigError::invalid(
+                "swa.slots_per_machine",
+                "must be positive",
+            ));
         }
         if self.lifetime == Nanos::ZERO {
             return Err(ConfigError::invalid("swa.lifetime", "must be positive"));

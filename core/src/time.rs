@@ -70,17 +70,17 @@ impl fmt::Display for Nanos {
             return write!(f, "never");
         }
         let ns = self.0;
-        let (v, unit) = if ns % 86_400_000_000_000 == 0 && ns > 0 {
+        let (v, unit) = if ns.is_multiple_of(86_400_000_000_000) && ns > 0 {
             (ns / 86_400_000_000_000, "d")
-        } else if ns % 3_600_000_000_000 == 0 && ns > 0 {
+        } else if ns.is_multiple_of(3_600_000_000_000) && ns > 0 {
             (ns / 3_600_000_000_000, "h")
-        } else if ns % 60_000_000_000 == 0 && ns > 0 {
+        } else if ns.is_multiple_of(60_000_000_000) && ns > 0 {
             (ns / 60_000_000_000, "min")
-        } else if ns % 1_000_000_000 == 0 {
+        } else if ns.is_multiple_of(1_000_000_000) {
             (ns / 1_000_000_000, "s")
-        } else if ns % 1_000_000 == 0 {
+        } else if ns.is_multiple_of(1_000_000) {
             (ns / 1_000_000, "ms")
-        } else if ns % 1_000 == 0 {
+        } else if ns.is_multiple_of(1_000) {
             (ns / 1_000, "us")
         } else {
             (ns, "ns")

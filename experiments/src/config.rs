@@ -33,7 +33,9 @@ impl ExperimentHeader {
         match (override_dir, &self.out_dir) {
             (Some(d), _) => d.to_path_buf(),
             (None, Some(d)) => d.clone(),
-            (None, None) => PathBuf::from("results").join(self.name.as_deref().unwrap_or(&self.kind)),
+            (None, None) => {
+                PathBuf::from("results").join(self.name.as_deref().unwrap_or(&self.kind))
+            }
         }
     }
 }
@@ -57,13 +59,19 @@ impl LoadedConfig {
             .map_err(|e| anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
         let header = value
             .get("experiment")
-            .ok_or_else(|| anyhow!("{}: missing [experiment] section with `kind`", path.display()))?
+            .ok_or_else(|| {
+                anyhow!(
+                    "{}: missing [experiment] section with `kind`",
+                    path.display()
+                )
+            })?
             .clone();
-        let HeaderOnly { experiment } = toml::Value::Table(
-            [("experiment".to_string(), header)].into_iter().collect(),
-        )
-        .try_into()
-        .map_err(|e: toml::de::Error| anyhow!("{}: {}", path.display(), e.to_string().trim_end()))?;
+        let HeaderOnly { experiment } =
+            toml::Value::Table([("experiment".to_string(), header)].into_iter().collect())
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    anyhow!("{}: {}", path.display(), e.to_string().trim_end())
+                })?;
         Ok(LoadedConfig {
             path: path.to_path_buf(),
             text,

@@ -10,7 +10,11 @@ mod output;
 mod plot;
 
 #[derive(Parser)]
-#[command(name = "servelab", version, about = "Policies of large-scale LLM serving, measured in a simulator and on a GPU")]
+#[command(
+    name = "servelab",
+    version,
+    about = "Policies of large-scale LLM serving, measured in a simulator and on a GPU"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

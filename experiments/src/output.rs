@@ -15,7 +15,8 @@ pub struct RunOutput {
 
 impl RunOutput {
     pub fn create(dir: &Path) -> Result<Self> {
-        fs::create_dir_all(dir).with_context(|| format!("creating output folder {}", dir.display()))?;
+        fs::create_dir_all(dir)
+            .with_context(|| format!("creating output folder {}", dir.display()))?;
         Ok(RunOutput {
             dir: dir.to_path_buf(),
             files: Vec::new(),

@@ -63,7 +63,10 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
         .unwrap()
         .map(|e| {
             let e = e.unwrap();
-            (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap())
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
         })
         .collect();
     v.sort();
@@ -77,17 +80,42 @@ fn run_is_byte_identical_for_the_same_seed() {
     std::fs::write(&cfg, SMALL).unwrap();
     let (a, b, c) = (d.join("a"), d.join("b"), d.join("c"));
     for out in [&a, &b] {
-        let o = servelab(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap(), "--quiet"]);
+        let o = servelab(&[
+            "run",
+            cfg.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--quiet",
+        ]);
         assert!(o.status.success(), "{}", stderr(&o));
         assert!(stdout(&o).contains("seed 7"), "the seed is printed");
     }
     let fa = files(&a);
     let names: Vec<&str> = fa.iter().map(|(n, _)| n.as_str()).collect();
-    for want in ["table.csv", "table.parquet", "policies.csv", "hit_rates.svg", "summary.md", "manifest.json"] {
+    for want in [
+        "table.csv",
+        "table.parquet",
+        "policies.csv",
+        "hit_rates.svg",
+        "summary.md",
+        "manifest.json",
+    ] {
         assert!(names.contains(&want), "{want} missing from {names:?}");
     }
-    assert_eq!(fa, files(&b), "same config and seed must give identical bytes");
-    let o = servelab(&["run", cfg.to_str().unwrap(), "--out", c.to_str().unwrap(), "--seed", "8", "--quiet"]);
+    assert_eq!(
+        fa,
+        files(&b),
+        "same config and seed must give identical bytes"
+    );
+    let o = servelab(&[
+        "run",
+        cfg.to_str().unwrap(),
+        "--out",
+        c.to_str().unwrap(),
+        "--seed",
+        "8",
+        "--quiet",
+    ]);
     assert!(o.status.success());
     let table = |d: &Path| std::fs::read(d.join("policies.csv")).unwrap();
     assert_ne!(table(&a), table(&c), "another seed gives other numbers");
@@ -97,19 +125,40 @@ fn run_is_byte_identical_for_the_same_seed() {
 fn unknown_config_key_names_file_line_and_key() {
     let d = scratch("badkey");
     let cfg = d.join("bad.toml");
-    std::fs::write(&cfg, SMALL.replace("sessions = 10", "sessions = 10\nsesions = 3")).unwrap();
-    let o = servelab(&["run", cfg.to_str().unwrap(), "--out", d.join("o").to_str().unwrap()]);
+    std::fs::write(
+        &cfg,
+        SMALL.replace("sessions = 10", "sessions = 10\nsesions = 3"),
+    )
+    .unwrap();
+    let o = servelab(&[
+        "run",
+        cfg.to_str().unwrap(),
+        "--out",
+        d.join("o").to_str().unwrap(),
+    ]);
     assert!(!o.status.success());
     let e = stderr(&o);
-    assert!(e.contains("bad.toml") && e.contains("sesions") && e.contains("line"), "{e}");
+    assert!(
+        e.contains("bad.toml") && e.contains("sesions") && e.contains("line"),
+        "{e}"
+    );
 }
 
 #[test]
 fn impossible_parameter_is_rejected_by_name() {
     let d = scratch("badparam");
     let cfg = d.join("bad.toml");
-    std::fs::write(&cfg, SMALL.replace("session_rate_per_s = 1.0", "session_rate_per_s = -1.0")).unwrap();
-    let o = servelab(&["run", cfg.to_str().unwrap(), "--out", d.join("o").to_str().unwrap()]);
+    std::fs::write(
+        &cfg,
+        SMALL.replace("session_rate_per_s = 1.0", "session_rate_per_s = -1.0"),
+    )
+    .unwrap();
+    let o = servelab(&[
+        "run",
+        cfg.to_str().unwrap(),
+        "--out",
+        d.join("o").to_str().unwrap(),
+    ]);
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(e.contains("workload.chat.session_rate_per_s"), "{e}");
@@ -118,7 +167,16 @@ fn impossible_parameter_is_rejected_by_name() {
 #[test]
 fn hit_explains_a_back_off() {
     // L = 1,000, b = 896, SWA only at 896: cap = 768 → no state there → back off to 640.
-    let o = servelab(&["hit", "--prompt-len", "1000", "--cached-tokens", "896", "--swa-at", "896", "--json"]);
+    let o = servelab(&[
+        "hit",
+        "--prompt-len",
+        "1000",
+        "--cached-tokens",
+        "896",
+        "--swa-at",
+        "896",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(v["hit_tokens"], 640);
@@ -126,10 +184,25 @@ fn hit_explains_a_back_off() {
     assert_eq!(v["encoder_replay_tokens"], 128);
     assert_eq!(v["decoder_tokens"], 140);
     assert_eq!(v["reason"], "no_swa_state_backed_off");
-    let o = servelab(&["hit", "--prompt-len", "100", "--cached-tokens", "200", "--json"]);
+    let o = servelab(&[
+        "hit",
+        "--prompt-len",
+        "100",
+        "--cached-tokens",
+        "200",
+        "--json",
+    ]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--cached-tokens"));
-    let o = servelab(&["hit", "--prompt-len", "1000", "--cached-tokens", "0", "--policy", "magic"]);
+    let o = servelab(&[
+        "hit",
+        "--prompt-len",
+        "1000",
+        "--cached-tokens",
+        "0",
+        "--policy",
+        "magic",
+    ]);
     assert!(stderr(&o).contains("unknown policy"));
 }
 
@@ -144,7 +217,14 @@ fn replay_mooncake_hand_computed() {
          {\"timestamp\": 5, \"input_length\": 1500, \"output_length\": 10, \"hash_ids\": [1, 2, 4]}\n",
     )
     .unwrap();
-    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--json"]);
+    let o = servelab(&[
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--format",
+        "mooncake",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(v["requests"], 2);
@@ -153,16 +233,43 @@ fn replay_mooncake_hand_computed() {
     assert_eq!(v["blocks"], 6);
     assert_eq!(v["block_hits"], 2);
     // At 128-token blocks the shared 1,024 tokens are 8 sub-blocks; the rest differ.
-    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--block-size", "128", "--json"]);
+    let o = servelab(&[
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--format",
+        "mooncake",
+        "--block-size",
+        "128",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(v["hit_tokens"], 1024);
     assert_eq!(v["block_hits"], 8);
     // A capacity of one 512-token block keeps only the last one written: nothing hits.
-    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--capacity-blocks", "1", "--json"]);
+    let o = servelab(&[
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--format",
+        "mooncake",
+        "--capacity-blocks",
+        "1",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(v["hit_tokens"], 0);
     // A TTL shorter than the 5 ms gap expires everything.
-    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--ttl", "4ms", "--json"]);
+    let o = servelab(&[
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--format",
+        "mooncake",
+        "--ttl",
+        "4ms",
+        "--json",
+    ]);
     let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(v["hit_tokens"], 0);
     assert_eq!(v["policy"], "ttl");
@@ -178,13 +285,39 @@ fn replay_bad_input_names_file_line_and_field() {
          {\"timestamp\": 1, \"input_length\": -5, \"output_length\": 10, \"hash_ids\": [1]}\n",
     )
     .unwrap();
-    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--json"]);
+    let o = servelab(&[
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--format",
+        "mooncake",
+        "--json",
+    ]);
     assert!(!o.status.success());
     let e = stderr(&o);
-    assert!(e.contains("bad.jsonl") && e.contains(":2") && e.contains("input_length"), "{e}");
-    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--policy", "lru-ttl"]);
+    assert!(
+        e.contains("bad.jsonl") && e.contains(":2") && e.contains("input_length"),
+        "{e}"
+    );
+    let o = servelab(&[
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--format",
+        "mooncake",
+        "--policy",
+        "lru-ttl",
+    ]);
     assert!(!o.status.success());
-    let o = servelab(&["replay", "--trace", t.to_str().unwrap(), "--format", "mooncake", "--ttl", "3 weeks"]);
+    let o = servelab(&[
+        "replay",
+        "--trace",
+        t.to_str().unwrap(),
+        "--format",
+        "mooncake",
+        "--ttl",
+        "3 weeks",
+    ]);
     assert!(stderr(&o).contains("--ttl"), "{}", stderr(&o));
 }
 

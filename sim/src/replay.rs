@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use servelab_core::content::hash2;
 use servelab_core::hit::baseline_layer_tokens;
 use servelab_core::{
-    BlockKey, ConfigError, HitInputs, HitPolicy, KvStore, MachineId, Nanos, PerfectCache,
-    Request, ServingConstants, StoreConfig, StoreStats, SwaCache, SwaConfig, SwaSource, SwaStats,
+    BlockKey, ConfigError, HitInputs, HitPolicy, KvStore, MachineId, Nanos, PerfectCache, Request,
+    ServingConstants, StoreConfig, StoreStats, SwaCache, SwaConfig, SwaSource, SwaStats,
     TrafficClass,
 };
 use servelab_workloads::Trace;
@@ -61,7 +61,10 @@ impl ReplayConfig {
             return Err(ConfigError::invalid("replay.ttft_s", "must be >= 0"));
         }
         if !(self.decode_tokens_per_s.is_finite() && self.decode_tokens_per_s > 0.0) {
-            return Err(ConfigError::invalid("replay.decode_tokens_per_s", "must be positive"));
+            return Err(ConfigError::invalid(
+                "replay.decode_tokens_per_s",
+                "must be positive",
+            ));
         }
         Ok(())
     }
@@ -106,10 +109,12 @@ impl ReplayReport {
         self.per_policy.iter().find(|t| t.policy == p.name())
     }
     pub fn hit_rate(&self, p: HitPolicy) -> Option<f64> {
-        self.policy(p).map(|t| ratio(t.hit_tokens, self.input_tokens))
+        self.policy(p)
+            .map(|t| ratio(t.hit_tokens, self.input_tokens))
     }
     pub fn compute_share(&self, p: HitPolicy) -> Option<f64> {
-        self.policy(p).map(|t| ratio(t.layer_tokens, self.baseline_layer_tokens))
+        self.policy(p)
+            .map(|t| ratio(t.layer_tokens, self.baseline_layer_tokens))
     }
 }
 
@@ -175,7 +180,11 @@ struct Pass<'a> {
 }
 
 impl<'a> Pass<'a> {
-    fn new(cfg: &'a ReplayConfig, policies: &[HitPolicy], swa_in_store: bool) -> Result<Self, ConfigError> {
+    fn new(
+        cfg: &'a ReplayConfig,
+        policies: &[HitPolicy],
+        swa_in_store: bool,
+    ) -> Result<Self, ConfigError> {
         Ok(Pass {
             cfg,
             policies: policies.to_vec(),
@@ -232,7 +241,8 @@ impl<'a> Pass<'a> {
             let Pending::Output(i) = Pending::Output(idx);
             let req = &trace.requests[i];
             if self.cfg.cache_outputs {
-                self.store.touch_or_insert(t, req.output_blocks(), req.class);
+                self.store
+                    .touch_or_insert(t, req.output_blocks(), req.class);
             }
             self.store_swa(t, req, req.context_tokens());
             self.perfect.record_output(req);
@@ -355,7 +365,10 @@ pub fn block_replay(
         rep.hit_tokens += hit;
         rep.blocks += keys.len() as u64;
         rep.block_hits += run as u64;
-        let class = rep.per_class.entry(req.class.name().to_string()).or_default();
+        let class = rep
+            .per_class
+            .entry(req.class.name().to_string())
+            .or_default();
         class.requests += 1;
         class.input_tokens += u64::from(req.prompt_tokens);
         class.hit_tokens += hit;

@@ -60,7 +60,10 @@ fn second_turn_hits_on_end_of_decode_swa_state() {
     let ord = r.policy(HitPolicy::OrdinaryModel).unwrap();
     assert_eq!(ord.layer_tokens, 40 * 1_100 + 40 * 200);
     let ex = r.policy(HitPolicy::ExactRebuild).unwrap();
-    assert_eq!(ex.layer_tokens, 20 * 1_100 + 20 * 1_100 + 20 * 200 + 20 * 1_600);
+    assert_eq!(
+        ex.layer_tokens,
+        20 * 1_100 + 20 * 1_100 + 20 * 200 + 20 * 1_600
+    );
     assert_eq!(r.baseline_layer_tokens, 40 * 2_700);
     // Store: 8 prompt blocks written, 2 output blocks, then turn 2 adds 2 more
     // (floor(1,600/128) = 12) and its output (1,650 → 12 blocks, nothing new).
@@ -93,7 +96,12 @@ fn without_output_write_back_only_the_prompt_hits() {
 
 #[test]
 fn swa_on_ssd_survives_the_host_lifetime_and_costs_store_bytes() {
-    let r = replay(&session(600), &ReplayConfig::default(), &[HitPolicy::SwaOnSsd]).unwrap();
+    let r = replay(
+        &session(600),
+        &ReplayConfig::default(),
+        &[HitPolicy::SwaOnSsd],
+    )
+    .unwrap();
     assert_eq!(r.policy(HitPolicy::SwaOnSsd).unwrap().hit_tokens, 1_280);
     // SWA objects of 1,415,040 bytes at 1,024 and 1,280 (turn 1) and 1,536 (turn 2, after
     // prefill; its end of decode at 1,650 rounds to the same 1,536), besides 12 blocks.

@@ -38,10 +38,17 @@ impl Dist {
         let finite_nonneg = |x: f64| x.is_finite() && x >= 0.0;
         match *self {
             Dist::Fixed { value } if !finite_nonneg(value) => bad("value must be finite and >= 0"),
-            Dist::Uniform { min, max } if !(finite_nonneg(min) && finite_nonneg(max) && min <= max) => {
+            Dist::Uniform { min, max }
+                if !(finite_nonneg(min) && finite_nonneg(max) && min <= max) =>
+            {
                 bad("need 0 <= min <= max")
             }
-            Dist::Lognormal { median, sigma, min, max } => {
+            Dist::Lognormal {
+                median,
+                sigma,
+                min,
+                max,
+            } => {
                 if !(median.is_finite() && median > 0.0) {
                     return bad("median must be positive");
                 }
@@ -55,7 +62,9 @@ impl Dist {
                 }
                 Ok(())
             }
-            Dist::Exponential { mean } if !(mean.is_finite() && mean > 0.0) => bad("mean must be positive"),
+            Dist::Exponential { mean } if !(mean.is_finite() && mean > 0.0) => {
+                bad("mean must be positive")
+            }
             _ => Ok(()),
         }
     }
@@ -70,13 +79,20 @@ impl Dist {
                     min
                 }
             }
-            Dist::Lognormal { median, sigma, min, max } => {
+            Dist::Lognormal {
+                median,
+                sigma,
+                min,
+                max,
+            } => {
                 let x = LogNormal::new(median.ln(), sigma)
                     .map(|d| d.sample(rng))
                     .unwrap_or(median);
                 x.clamp(min.unwrap_or(0.0), max.unwrap_or(f64::MAX))
             }
-            Dist::Exponential { mean } => Exp::new(1.0 / mean).map(|d| d.sample(rng)).unwrap_or(mean),
+            Dist::Exponential { mean } => {
+                Exp::new(1.0 / mean).map(|d| d.sample(rng)).unwrap_or(mean)
+            }
         }
     }
 
@@ -95,12 +111,20 @@ mod tests {
     #[test]
     fn sample_ranges() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
-        let u = Dist::Uniform { min: 200.0, max: 4000.0 };
+        let u = Dist::Uniform {
+            min: 200.0,
+            max: 4000.0,
+        };
         for _ in 0..1000 {
             let x = u.tokens(&mut rng, 1);
             assert!((200..=4000).contains(&x));
         }
-        let l = Dist::Lognormal { median: 100.0, sigma: 1.0, min: Some(10.0), max: Some(500.0) };
+        let l = Dist::Lognormal {
+            median: 100.0,
+            sigma: 1.0,
+            min: Some(10.0),
+            max: Some(500.0),
+        };
         let mut v: Vec<f64> = (0..2001).map(|_| l.sample(&mut rng)).collect();
         v.sort_by(f64::total_cmp);
         assert!((80.0..125.0).contains(&v[1000]), "median {}", v[1000]);
@@ -111,7 +135,8 @@ mod tests {
     fn rejects_bad_parameters() {
         assert!(Dist::Uniform { min: 5.0, max: 1.0 }.validate("x").is_err());
         assert!(Dist::Exponential { mean: 0.0 }.validate("x").is_err());
-        let e = toml::from_str::<Dist>("kind = \"uniform\"\nmin = 1\nmax = 2\nmean = 3\n").unwrap_err();
+        let e =
+            toml::from_str::<Dist>("kind = \"uniform\"\nmin = 1\nmax = 2\nmean = 3\n").unwrap_err();
         assert!(e.to_string().contains("mean"), "{e}");
     }
 }

@@ -57,7 +57,10 @@ impl Pacing {
     }
     fn validate(&self, field: &str) -> Result<(), ConfigError> {
         if !(self.ttft_s.is_finite() && self.ttft_s >= 0.0) {
-            return Err(ConfigError::invalid(format!("{field}.ttft_s"), "must be >= 0"));
+            return Err(ConfigError::invalid(
+                format!("{field}.ttft_s"),
+                "must be >= 0",
+            ));
         }
         if !(self.decode_tokens_per_s.is_finite() && self.decode_tokens_per_s > 0.0) {
             return Err(ConfigError::invalid(
@@ -145,7 +148,8 @@ impl WorkloadConfig {
             rate(a.session_rate_per_s, &f("session_rate_per_s"))?;
             positive(a.system_prompts, &f("system_prompts"))?;
             a.turns.validate(&f("turns"))?;
-            a.system_prompt_tokens.validate(&f("system_prompt_tokens"))?;
+            a.system_prompt_tokens
+                .validate(&f("system_prompt_tokens"))?;
             a.task_tokens.validate(&f("task_tokens"))?;
             a.reply_tokens.validate(&f("reply_tokens"))?;
             a.tool_result_tokens.validate(&f("tool_result_tokens"))?;
@@ -162,7 +166,8 @@ impl WorkloadConfig {
             rate(c.session_rate_per_s, &f("session_rate_per_s"))?;
             positive(c.system_prompts, &f("system_prompts"))?;
             c.turns.validate(&f("turns"))?;
-            c.system_prompt_tokens.validate(&f("system_prompt_tokens"))?;
+            c.system_prompt_tokens
+                .validate(&f("system_prompt_tokens"))?;
             c.user_tokens.validate(&f("user_tokens"))?;
             c.reply_tokens.validate(&f("reply_tokens"))?;
             c.think_time_s.validate(&f("think_time_s"))?;
@@ -172,7 +177,8 @@ impl WorkloadConfig {
             let f = |n: &str| format!("workload.documents.{n}");
             rate(d.rate_per_s, &f("rate_per_s"))?;
             positive(d.system_prompts, &f("system_prompts"))?;
-            d.system_prompt_tokens.validate(&f("system_prompt_tokens"))?;
+            d.system_prompt_tokens
+                .validate(&f("system_prompt_tokens"))?;
             d.document_tokens.validate(&f("document_tokens"))?;
             d.question_tokens.validate(&f("question_tokens"))?;
             d.answer_tokens.validate(&f("answer_tokens"))?;
@@ -186,7 +192,10 @@ fn rate(v: f64, field: &str) -> Result<(), ConfigError> {
     if v.is_finite() && v > 0.0 {
         Ok(())
     } else {
-        Err(ConfigError::invalid(field, format!("{v} is not a positive rate")))
+        Err(ConfigError::invalid(
+            field,
+            format!("{v} is not a positive rate"),
+        ))
     }
 }
 fn positive(v: u32, field: &str) -> Result<(), ConfigError> {
@@ -200,7 +209,10 @@ fn probability(v: f64, field: &str) -> Result<(), ConfigError> {
     if (0.0..=1.0).contains(&v) {
         Ok(())
     } else {
-        Err(ConfigError::invalid(field, format!("{v} is not a probability in [0, 1]")))
+        Err(ConfigError::invalid(
+            field,
+            format!("{v} is not a probability in [0, 1]"),
+        ))
     }
 }
 
@@ -219,18 +231,38 @@ struct Draft {
 pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Trace, ConfigError> {
     cfg.validate()?;
     if block_tokens == 0 {
-        return Err(ConfigError::invalid("constants.block_tokens", "must be positive"));
+        return Err(ConfigError::invalid(
+            "constants.block_tokens",
+            "must be positive",
+        ));
     }
     let mut drafts = Vec::new();
     let mut next_session = 0u64;
     if let Some(a) = &cfg.agent {
-        gen_agent(a, sub_seed(seed, "workload.agent"), block_tokens, &mut next_session, &mut drafts);
+        gen_agent(
+            a,
+            sub_seed(seed, "workload.agent"),
+            block_tokens,
+            &mut next_session,
+            &mut drafts,
+        );
     }
     if let Some(c) = &cfg.chat {
-        gen_chat(c, sub_seed(seed, "workload.chat"), block_tokens, &mut next_session, &mut drafts);
+        gen_chat(
+            c,
+            sub_seed(seed, "workload.chat"),
+            block_tokens,
+            &mut next_session,
+            &mut drafts,
+        );
     }
     if let Some(d) = &cfg.documents {
-        gen_documents(d, sub_seed(seed, "workload.documents"), block_tokens, &mut drafts);
+        gen_documents(
+            d,
+            sub_seed(seed, "workload.documents"),
+            block_tokens,
+            &mut drafts,
+        );
     }
     // Ids follow arrival order; ties by class, session and turn, so they are stable.
     drafts.sort_by_key(|d| (d.arrival, d.class, d.session, d.turn));
@@ -317,13 +349,19 @@ fn gen_agent(c: &AgentConfig, seed: u64, bs: u32, next_session: &mut u64, out: &
         let sys = rng.random_range(0..c.system_prompts) as usize;
         let turns = c.turns.tokens(&mut rng, 1);
         let mut epoch = Epoch::new(bs);
-        epoch.chain.push(system_segment("agent.system", sys as u64), sys_len[sys]);
-        epoch.chain.push(fresh(&mut rng), c.task_tokens.tokens(&mut rng, 1));
+        epoch
+            .chain
+            .push(system_segment("agent.system", sys as u64), sys_len[sys]);
+        epoch
+            .chain
+            .push(fresh(&mut rng), c.task_tokens.tokens(&mut rng, 1));
         let mut t = start;
         for turn in 0..turns {
             let prompt = epoch.chain.total_tokens();
             let reply = c.reply_tokens.tokens(&mut rng, 1);
-            epoch.turns.push((prompt, reply, Nanos::from_secs_f64(t), turn));
+            epoch
+                .turns
+                .push((prompt, reply, Nanos::from_secs_f64(t), turn));
             epoch.chain.push(fresh(&mut rng), reply);
             t += c.pacing.service(reply) + c.think_time_s.sample(&mut rng);
             if turn + 1 == turns {
@@ -338,7 +376,9 @@ fn gen_agent(c: &AgentConfig, seed: u64, bs: u32, next_session: &mut u64, out: &
                 let summary = k.summary_tokens.tokens(&mut rng, 1);
                 let old = std::mem::replace(&mut epoch, Epoch::new(bs));
                 old.flush(session, TrafficClass::Agent, out);
-                epoch.chain.push(system_segment("agent.system", sys as u64), sys_len[sys]);
+                epoch
+                    .chain
+                    .push(system_segment("agent.system", sys as u64), sys_len[sys]);
                 epoch.chain.push(fresh(&mut rng), summary);
             }
             epoch.chain.push(fresh(&mut rng), tool);
@@ -360,13 +400,19 @@ fn gen_chat(c: &ChatConfig, seed: u64, bs: u32, next_session: &mut u64, out: &mu
         let sys = rng.random_range(0..c.system_prompts) as usize;
         let turns = c.turns.tokens(&mut rng, 1);
         let mut epoch = Epoch::new(bs);
-        epoch.chain.push(system_segment("chat.system", sys as u64), sys_len[sys]);
+        epoch
+            .chain
+            .push(system_segment("chat.system", sys as u64), sys_len[sys]);
         let mut t = start;
         for turn in 0..turns {
-            epoch.chain.push(fresh(&mut rng), c.user_tokens.tokens(&mut rng, 1));
+            epoch
+                .chain
+                .push(fresh(&mut rng), c.user_tokens.tokens(&mut rng, 1));
             let prompt = epoch.chain.total_tokens();
             let reply = c.reply_tokens.tokens(&mut rng, 1);
-            epoch.turns.push((prompt, reply, Nanos::from_secs_f64(t), turn));
+            epoch
+                .turns
+                .push((prompt, reply, Nanos::from_secs_f64(t), turn));
             epoch.chain.push(fresh(&mut rng), reply);
             t += c.pacing.service(reply) + c.think_time_s.sample(&mut rng);
         }
@@ -450,7 +496,11 @@ mod tests {
         };
         let t = generate(&cfg, 7, 128).unwrap();
         assert_eq!(t.len(), 15);
-        let s0: Vec<&Request> = t.requests.iter().filter(|r| r.session == Some(SessionId(0))).collect();
+        let s0: Vec<&Request> = t
+            .requests
+            .iter()
+            .filter(|r| r.session == Some(SessionId(0)))
+            .collect();
         assert_eq!(s0.len(), 5);
         assert_eq!(s0[0].prompt_tokens, 1300);
         for w in s0.windows(2) {
@@ -462,7 +512,11 @@ mod tests {
             assert!(w[1].arrival.as_secs_f64() >= done);
         }
         // All sessions share the system prompt's full blocks (1000 tokens → 7 blocks).
-        let other = t.requests.iter().find(|r| r.session == Some(SessionId(1))).unwrap();
+        let other = t
+            .requests
+            .iter()
+            .find(|r| r.session == Some(SessionId(1)))
+            .unwrap();
         assert_eq!(&other.prompt_blocks()[..7], &s0[0].prompt_blocks()[..7]);
     }
 
@@ -485,7 +539,11 @@ mod tests {
         )
         .unwrap();
         assert!(t.requests.iter().all(|r| r.prompt_tokens <= 20_000));
-        assert!(t.requests.iter().any(|r| r.prompt_tokens < 7_000 && r.prompt_tokens > 3_000));
+        assert!(
+            t.requests
+                .iter()
+                .any(|r| r.prompt_tokens < 7_000 && r.prompt_tokens > 3_000)
+        );
     }
 
     #[test]
@@ -517,7 +575,15 @@ mod tests {
         let sig = |t: &Trace| {
             t.requests
                 .iter()
-                .map(|r| (r.id, r.arrival, r.prompt_tokens, r.output_tokens, r.prompt_blocks().to_vec()))
+                .map(|r| {
+                    (
+                        r.id,
+                        r.arrival,
+                        r.prompt_tokens,
+                        r.output_tokens,
+                        r.prompt_blocks().to_vec(),
+                    )
+                })
                 .collect::<Vec<_>>()
         };
         let a = generate(&cfg, 11, 128).unwrap();
@@ -542,6 +608,9 @@ mod tests {
             128,
         )
         .unwrap_err();
-        assert!(e.to_string().contains("workload.agent.session_rate_per_s"), "{e}");
+        assert!(
+            e.to_string().contains("workload.agent.session_rate_per_s"),
+            "{e}"
+        );
     }
 }

@@ -35,10 +35,16 @@ impl Trace {
         self.requests.is_empty()
     }
     pub fn input_tokens(&self) -> u64 {
-        self.requests.iter().map(|r| u64::from(r.prompt_tokens)).sum()
+        self.requests
+            .iter()
+            .map(|r| u64::from(r.prompt_tokens))
+            .sum()
     }
     pub fn output_tokens(&self) -> u64 {
-        self.requests.iter().map(|r| u64::from(r.output_tokens)).sum()
+        self.requests
+            .iter()
+            .map(|r| u64::from(r.output_tokens))
+            .sum()
     }
 }
 
@@ -47,7 +53,10 @@ impl Trace {
 pub enum TraceError {
     /// The cause is part of the message (not a `source`), so error chains don't repeat it.
     #[error("{path}: {cause}")]
-    Io { path: PathBuf, cause: std::io::Error },
+    Io {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
     #[error("{path}:{line}: field `{field}`: {reason}")]
     Field {
         path: PathBuf,

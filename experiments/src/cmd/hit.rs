@@ -57,8 +57,15 @@ pub fn run(a: Args) -> Result<()> {
             c.block_tokens
         );
     }
-    if let Some(p) = a.swa_at.iter().find(|&&p| p % c.block_tokens != 0 || p == 0) {
-        bail!("--swa-at: {p} is not a positive multiple of the {}-token block", c.block_tokens);
+    if let Some(p) = a
+        .swa_at
+        .iter()
+        .find(|&&p| p % c.block_tokens != 0 || p == 0)
+    {
+        bail!(
+            "--swa-at: {p} is not a positive multiple of the {}-token block",
+            c.block_tokens
+        );
     }
     let input = HitInputs {
         prompt_tokens: a.prompt_len,
@@ -86,9 +93,15 @@ pub fn run(a: Args) -> Result<()> {
         println!("{v}");
     } else {
         println!("policy          {}", policy.name());
-        println!("prompt          {} tokens, cached prefix {} tokens", a.prompt_len, a.cached_tokens);
+        println!(
+            "prompt          {} tokens, cached prefix {} tokens",
+            a.prompt_len, a.cached_tokens
+        );
         println!("hit             {} tokens", d.hit_tokens);
-        println!("encoder         {} tokens ({} replayed)", d.encoder_tokens, d.encoder_replay_tokens);
+        println!(
+            "encoder         {} tokens ({} replayed)",
+            d.encoder_tokens, d.encoder_replay_tokens
+        );
         println!("decoder         {} tokens", d.decoder_tokens);
         println!(
             "compute         {} layer-tokens = {:.1}% of the no-cache 40-layer baseline",

@@ -162,10 +162,23 @@ pub fn run(a: Args) -> Result<()> {
         o.insert("cache_outputs".into(), a.cache_outputs.into());
         println!("{v}");
     } else {
-        println!("trace           {} ({} requests, block {} tokens)", a.trace.display(), rep.requests, trace.block_tokens);
+        println!(
+            "trace           {} ({} requests, block {} tokens)",
+            a.trace.display(),
+            rep.requests,
+            trace.block_tokens
+        );
         println!("input tokens    {}", rep.input_tokens);
-        println!("hit tokens      {} ({:.2}%)", rep.hit_tokens, 100.0 * rep.token_hit_rate);
-        println!("block hit rate  {:.2}% of {} blocks", 100.0 * rep.block_hit_rate, rep.blocks);
+        println!(
+            "hit tokens      {} ({:.2}%)",
+            rep.hit_tokens,
+            100.0 * rep.token_hit_rate
+        );
+        println!(
+            "block hit rate  {:.2}% of {} blocks",
+            100.0 * rep.block_hit_rate,
+            rep.blocks
+        );
         println!(
             "store           {} evictions, {} expirations, peak {:.3} GB",
             rep.store.evictions,

@@ -114,13 +114,24 @@ const CELL_NAMES: [&str; 5] = [
 
 fn measured_cells(r: &ReplayReport) -> Result<Cells> {
     let need = |p: HitPolicy, v: Option<f64>| {
-        v.ok_or_else(|| anyhow!("policies must include `{}` for the SPEC §13 table", p.name()))
+        v.ok_or_else(|| {
+            anyhow!(
+                "policies must include `{}` for the SPEC §13 table",
+                p.name()
+            )
+        })
     };
     Ok(Cells {
         hit_perfect: need(HitPolicy::PerfectCache, r.hit_rate(HitPolicy::PerfectCache))?,
         hit_deepinfer: need(HitPolicy::Deepinfer, r.hit_rate(HitPolicy::Deepinfer))?,
-        compute_ordinary: need(HitPolicy::OrdinaryModel, r.compute_share(HitPolicy::OrdinaryModel))?,
-        compute_exact_rebuild: need(HitPolicy::ExactRebuild, r.compute_share(HitPolicy::ExactRebuild))?,
+        compute_ordinary: need(
+            HitPolicy::OrdinaryModel,
+            r.compute_share(HitPolicy::OrdinaryModel),
+        )?,
+        compute_exact_rebuild: need(
+            HitPolicy::ExactRebuild,
+            r.compute_share(HitPolicy::ExactRebuild),
+        )?,
         compute_deepinfer: need(HitPolicy::Deepinfer, r.compute_share(HitPolicy::Deepinfer))?,
     })
 }
@@ -152,7 +163,8 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         .map(|(i, w)| {
             let trace = generate(&w.mix, seed, cfg.constants.block_tokens)
                 .map_err(|e| anyhow!("{path}: workload `{}`: {e}", w.name))?;
-            let rep = replay(&trace, &replay_cfg, &cfg.policies).map_err(|e| anyhow!("{path}: {e}"))?;
+            let rep =
+                replay(&trace, &replay_cfg, &cfg.policies).map_err(|e| anyhow!("{path}: {e}"))?;
             pb.inc(1);
             Ok((i, rep))
         })
@@ -166,8 +178,14 @@ pub fn run(ctx: &RunContext) -> Result<()> {
 
     // Tidy long table: one row per workload × policy.
     let (mut w_col, mut p_col) = (Vec::new(), Vec::new());
-    let (mut hit, mut comp, mut enc, mut rep_t, mut dec, mut pulls) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut hit, mut comp, mut enc, mut rep_t, mut dec, mut pulls) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     for (i, r) in &reports {
         for t in &r.per_policy {
             w_col.push(names[*i].clone());
@@ -194,8 +212,14 @@ pub fn run(ctx: &RunContext) -> Result<()> {
 
     // The SPEC §13 table, measured vs published.
     let mut rows_md = Vec::new();
-    let (mut tw, mut tc, mut tm, mut tp, mut td, mut tok) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut tw, mut tc, mut tm, mut tp, mut td, mut tok) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     let mut all_within = true;
     let mut measured_series: Vec<Vec<f64>> = vec![Vec::new(); 5];
     let mut published_series: Vec<Vec<f64>> = vec![Vec::new(); 5];
@@ -265,20 +289,41 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         ("perfect cache".to_string(), measured_series[0].clone()),
         ("DeepInfer rules".to_string(), measured_series[1].clone()),
         ("published perfect".to_string(), published_series[0].clone()),
-        ("published DeepInfer".to_string(), published_series[1].clone()),
+        (
+            "published DeepInfer".to_string(),
+            published_series[1].clone(),
+        ),
     ];
     let p = out.path("hit_rates.svg");
-    plot::grouped_bars(&p, "Input-token hit rate (SPEC §13)", "% of input tokens", &names, &hit_series)?;
+    plot::grouped_bars(
+        &p,
+        "Input-token hit rate (SPEC §13)",
+        "% of input tokens",
+        &names,
+        &hit_series,
+    )?;
     let compute_series = vec![
         ("ordinary model".to_string(), measured_series[2].clone()),
         ("exact rebuild".to_string(), measured_series[3].clone()),
         ("DeepInfer rules".to_string(), measured_series[4].clone()),
-        ("published ordinary".to_string(), published_series[2].clone()),
+        (
+            "published ordinary".to_string(),
+            published_series[2].clone(),
+        ),
         ("published exact".to_string(), published_series[3].clone()),
-        ("published DeepInfer".to_string(), published_series[4].clone()),
+        (
+            "published DeepInfer".to_string(),
+            published_series[4].clone(),
+        ),
     ];
     let p = out.path("compute_shares.svg");
-    plot::grouped_bars(&p, "Prefill compute, share of the no-cache baseline", "% of 40 x L layer-tokens", &names, &compute_series)?;
+    plot::grouped_bars(
+        &p,
+        "Prefill compute, share of the no-cache baseline",
+        "% of 40 x L layer-tokens",
+        &names,
+        &compute_series,
+    )?;
 
     let header = [
         "workload",
@@ -313,19 +358,36 @@ pub fn run(ctx: &RunContext) -> Result<()> {
                 vec![
                     names[*i].clone(),
                     t.policy.clone(),
-                    format!("{:.2}%", 100.0 * t.hit_tokens as f64 / r.input_tokens.max(1) as f64),
-                    format!("{:.2}%", 100.0 * t.layer_tokens as f64 / r.baseline_layer_tokens.max(1) as f64),
+                    format!(
+                        "{:.2}%",
+                        100.0 * t.hit_tokens as f64 / r.input_tokens.max(1) as f64
+                    ),
+                    format!(
+                        "{:.2}%",
+                        100.0 * t.layer_tokens as f64 / r.baseline_layer_tokens.max(1) as f64
+                    ),
                     t.swa_cross_machine_pulls.to_string(),
                 ]
             })
         })
         .collect();
     summary.push_str(&markdown_table(
-        &["workload", "policy", "hit rate", "compute share", "cross-machine SWA pulls"],
+        &[
+            "workload",
+            "policy",
+            "hit rate",
+            "compute share",
+            "cross-machine SWA pulls",
+        ],
         &prow,
     ));
     out.write_text("summary.md", &summary)?;
-    out.write_manifest(&Manifest::new("cache-policy", &ctx.config.path, &ctx.config.text, seed))?;
+    out.write_manifest(&Manifest::new(
+        "cache-policy",
+        &ctx.config.path,
+        &ctx.config.text,
+        seed,
+    ))?;
     println!("{summary}");
     println!("wrote {}", ctx.out.display());
     Ok(())

@@ -29,9 +29,11 @@ pub fn progress(ctx: &RunContext, len: u64, what: &str) -> indicatif::ProgressBa
     }
     let pb = indicatif::ProgressBar::new(len);
     pb.set_style(
-        indicatif::ProgressStyle::with_template("{msg:>14} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{msg:>14} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
     pb
