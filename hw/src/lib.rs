@@ -1,1 +1,7 @@
-//! placeholder
+//! The CUDA side of servelab: GPU measurements (speed against the device's own ceilings) and,
+//! later, the engine backend. The `servelab-gpu` binary runs these on a GPU machine without the
+//! main binary (which needs polars).
+
+pub mod report;
+pub mod speed;
+pub mod timing;

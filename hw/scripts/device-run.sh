@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [speed args...]
+# Writes (at most 8 files, the device tool's limit) to $OUT (or ./gpu-out when unset):
+# env.txt, tests.log, test-report.md/.json, speed.md/.json.
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+b=$(cd "$(dirname "$0")" && pwd)
+date_utc=$(date -u +%F)
+
+# cudarc loads libcuda, libnvrtc and libcublas by name: put every CUDA 13 library folder we can
+# find on the path (toolkit first, then pip-installed nvidia wheels).
+libdirs=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [[ -d $d ]] && libdirs="$libdirs:$d"
+done
+for f in $(find / -xdev \( -name 'libnvrtc.so.13*' -o -name 'libcublas.so.13*' -o -name 'libcublasLt.so.13*' \) 2>/dev/null | head -20); do
+  libdirs="$libdirs:$(dirname "$f")"
+done
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}${libdirs}"
+
+{
+  echo "date: $date_utc"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,pcie.link.gen.current,pcie.link.width.current --format=csv 2>&1
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  uname -a
+} > "$out/env.txt"
+cat "$out/env.txt"
+
+status=0
+: > "$out/tests.log"
+for t in "$b"/tests/*; do
+  echo "=== $(basename "$t")" | tee -a "$out/tests.log"
+  if ! timeout 180 "$t" --test-threads=1 --nocapture >> "$out/tests.log" 2>&1; then
+    echo "FAILED: $(basename "$t")" | tee -a "$out/tests.log"; status=1
+  fi
+  grep -E "^test result|skipped|FAILED" "$out/tests.log" | tail -3
+done
+
+timeout 180 "$b/servelab-gpu" test-report --out "$out" --date "$date_utc" > /dev/null 2>&1 || status=1
+tail -n 40 "$out/test-report.md" 2>/dev/null
+if [[ "${SKIP_SPEED:-0}" != 1 ]]; then
+  timeout 300 "$b/servelab-gpu" speed --out "$out" --date "$date_utc" "$@" > /dev/null || status=1
+  cat "$out/speed.md" 2>/dev/null
+fi
+exit $status

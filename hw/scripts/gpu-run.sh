@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the GPU test executables and the servelab-gpu binary on this machine (no GPU or CUDA
+# toolkit needed) and stages them, with a device-side runner, in the git-ignored gpu-bundle/.
+# The device machine (x86-64, CUDA 13 driver, no Rust toolchain) then runs
+#     bash gpu-bundle/run.sh            # tests + test-report + speed, results under $OUT
+# e.g. through the device tool: run(command="bash gpu-bundle/run.sh", carry=["gpu-bundle"]).
+# Usage: hw/scripts/gpu-run.sh [--debug]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+profile=(--release)
+[[ "${1:-}" == "--debug" ]] && profile=()
+
+bundle=gpu-bundle
+rm -rf "$bundle"
+mkdir -p "$bundle/tests"
+
+echo "building test executables..." >&2
+cargo test "${profile[@]}" -p servelab-kernels -p servelab-hw --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["target"]["name"] + "\t" + m["executable"])
+' | while IFS=$'\t' read -r name exe; do
+    cp "$exe" "$bundle/tests/$name"
+  done
+echo "building servelab-gpu..." >&2
+cargo build "${profile[@]}" -p servelab-hw --bin servelab-gpu
+dir=target/release; [[ ${#profile[@]} -eq 0 ]] && dir=target/debug
+cp "$dir/servelab-gpu" "$bundle/"
+# Debug info is not needed on the device and would eat the 64 MiB transfer limit.
+if command -v strip >/dev/null; then strip --strip-debug "$bundle"/servelab-gpu "$bundle"/tests/*; fi
+cp hw/scripts/device-run.sh "$bundle/run.sh"
+ls -la "$bundle" "$bundle/tests" >&2
+du -sh "$bundle" >&2

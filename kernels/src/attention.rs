@@ -1,0 +1,938 @@
+//! Paged attention over 128-token blocks of compressed global KV, for decode and for prefill
+//! chunks over a cached prefix.
+//!
+//! The KV pool holds one latent row per token and KV head (`d_qk` wide; values are its first
+//! `d_v` elements, MLA's absorbed form). Each query row names a block-table row and the key
+//! range `[kv_start, kv_end)` it sees: a decode row sees `[0, len)`, a prefill token at
+//! position `p` sees `[0, p + 1)`. Key ranges are split across warps and merged afterwards.
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use crate::check::{BF16_TOL, CheckResult};
+use crate::error::{KernelError, ensure};
+use crate::gpu::{GpuContext, lane_split};
+use crate::testdata::{ErrorStats, random_bf16, rng};
+
+const SRC: &str = include_str!("cuda/paged_attention.cu");
+const TILED_SRC: &str = include_str!("cuda/paged_attention_tiled.cu");
+const WARPS: usize = 4;
+const UNROLL: usize = 2;
+const REDUCE_THREADS: u32 = 128;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct PagedAttentionShape {
+    pub num_kv_heads: usize,
+    /// Query heads per KV head.
+    pub group: usize,
+    /// Row width (keys); a multiple of 8.
+    pub d_qk: usize,
+    /// Value width: the first `d_v` elements of each row.
+    pub d_v: usize,
+    /// Tokens per KV block (128 in the served system).
+    pub block_size: usize,
+}
+
+impl PagedAttentionShape {
+    pub fn num_heads(&self) -> usize {
+        self.num_kv_heads * self.group
+    }
+
+    pub fn validate(&self) -> Result<(), KernelError> {
+        ensure(self.num_kv_heads > 0 && self.group > 0, || {
+            "num_kv_heads and group must be positive".into()
+        })?;
+        ensure(self.d_qk > 0 && self.d_qk.is_multiple_of(8), || {
+            format!("d_qk = {} must be a positive multiple of 8", self.d_qk)
+        })?;
+        ensure(self.d_v > 0 && self.d_v <= self.d_qk, || {
+            format!("d_v = {} must be in 1..=d_qk", self.d_v)
+        })?;
+        ensure(self.block_size > 0, || "block_size must be positive".into())?;
+        Ok(())
+    }
+}
+
+/// Where rows live in the pool (all strides in bf16 elements). A layer's view of a pool laid
+/// out block-major over layers (`[block][layer][token][row]`) has
+/// `block_stride = layers * block_size * row_stride`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub block_stride: usize,
+    pub row_stride: usize,
+    pub num_blocks: usize,
+}
+
+impl KvLayout {
+    /// One layer's pool of `num_blocks` blocks, rows packed.
+    pub fn packed(shape: &PagedAttentionShape, num_blocks: usize) -> Self {
+        let row_stride = shape.num_kv_heads * shape.d_qk;
+        Self {
+            block_stride: shape.block_size * row_stride,
+            row_stride,
+            num_blocks,
+        }
+    }
+
+    /// Offset of (block, token slot, kv head) in elements.
+    pub fn offset(
+        &self,
+        shape: &PagedAttentionShape,
+        block: usize,
+        slot: usize,
+        kv_head: usize,
+    ) -> usize {
+        block * self.block_stride + slot * self.row_stride + kv_head * shape.d_qk
+    }
+
+    /// Smallest view length that holds every block.
+    pub fn min_len(&self, shape: &PagedAttentionShape) -> usize {
+        if self.num_blocks == 0 {
+            0
+        } else {
+            (self.num_blocks - 1) * self.block_stride + shape.block_size * self.row_stride
+        }
+    }
+
+    fn validate(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
+        ensure(
+            self.row_stride >= shape.num_kv_heads * shape.d_qk && self.row_stride.is_multiple_of(8),
+            || {
+                format!(
+                    "row_stride = {} must be >= num_kv_heads * d_qk and a multiple of 8",
+                    self.row_stride
+                )
+            },
+        )?;
+        ensure(
+            self.block_stride >= shape.block_size * self.row_stride
+                && self.block_stride.is_multiple_of(8),
+            || {
+                format!(
+                    "block_stride = {} must be >= block_size * row_stride and a multiple of 8",
+                    self.block_stride
+                )
+            },
+        )
+    }
+}
+
+/// Block tables: `rows` rows of `max_blocks` physical block ids (row-major).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockTables {
+    pub max_blocks: usize,
+    pub entries: Vec<i32>,
+}
+
+impl BlockTables {
+    pub fn rows(&self) -> usize {
+        self.entries.len().checked_div(self.max_blocks).unwrap_or(0)
+    }
+
+    pub fn get(&self, row: usize, logical_block: usize) -> i32 {
+        self.entries[row * self.max_blocks + logical_block]
+    }
+}
+
+/// The query rows of one launch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueryRows {
+    pub table_row: Vec<i32>,
+    pub kv_start: Vec<i32>,
+    pub kv_end: Vec<i32>,
+}
+
+impl QueryRows {
+    /// Decode: query `i` uses table row `i` and sees `[0, lens[i])`.
+    pub fn decode(lens: &[usize]) -> Self {
+        let mut r = Self::default();
+        for (i, &len) in lens.iter().enumerate() {
+            r.push(i, 0, len);
+        }
+        r
+    }
+
+    /// A prefill chunk of `chunk` tokens after a cached prefix of `prefix` tokens, causal.
+    pub fn prefill_chunk(table_row: usize, prefix: usize, chunk: usize) -> Self {
+        let mut r = Self::default();
+        for i in 0..chunk {
+            r.push(table_row, 0, prefix + i + 1);
+        }
+        r
+    }
+
+    pub fn push(&mut self, table_row: usize, kv_start: usize, kv_end: usize) {
+        self.table_row.push(table_row as i32);
+        self.kv_start.push(kv_start as i32);
+        self.kv_end.push(kv_end as i32);
+    }
+
+    pub fn len(&self) -> usize {
+        self.table_row.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.table_row.is_empty()
+    }
+
+    /// Checks every row against the tables and the pool: bad input is an error, not a fault.
+    pub fn validate(
+        &self,
+        shape: &PagedAttentionShape,
+        layout: &KvLayout,
+        tables: &BlockTables,
+    ) -> Result<(), KernelError> {
+        ensure(
+            self.kv_start.len() == self.len() && self.kv_end.len() == self.len(),
+            || "row vectors differ in length".into(),
+        )?;
+        ensure(
+            tables.max_blocks > 0 && tables.entries.len().is_multiple_of(tables.max_blocks),
+            || "block table is not rows x max_blocks".into(),
+        )?;
+        for i in 0..self.len() {
+            let (row, s, e) = (self.table_row[i], self.kv_start[i], self.kv_end[i]);
+            ensure(row >= 0 && (row as usize) < tables.rows(), || {
+                format!("query {i}: table row {row} out of range")
+            })?;
+            ensure(
+                0 <= s && s <= e && (e as usize) <= tables.max_blocks * shape.block_size,
+                || {
+                    format!(
+                        "query {i}: key range [{s}, {e}) outside the table's {} tokens",
+                        tables.max_blocks * shape.block_size
+                    )
+                },
+            )?;
+            if s < e {
+                for b in (s as usize / shape.block_size)..=((e as usize - 1) / shape.block_size) {
+                    let phys = tables.get(row as usize, b);
+                    ensure(phys >= 0 && (phys as usize) < layout.num_blocks, || {
+                        format!(
+                            "query {i}: block {phys} outside the pool of {}",
+                            layout.num_blocks
+                        )
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn max_len(&self) -> usize {
+        self.kv_start
+            .iter()
+            .zip(&self.kv_end)
+            .map(|(s, e)| (e - s).max(0) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// CPU reference in f64 over the bf16 inputs. `q` is `[rows, num_heads, d_qk]`; returns
+/// `[rows, num_heads, d_v]`. Rows with no visible key give zeros.
+pub fn paged_attention_cpu(
+    shape: &PagedAttentionShape,
+    layout: &KvLayout,
+    q: &[bf16],
+    kv: &[bf16],
+    tables: &BlockTables,
+    rows: &QueryRows,
+    scale: f64,
+) -> Result<Vec<f64>, KernelError> {
+    shape.validate()?;
+    layout.validate(shape)?;
+    rows.validate(shape, layout, tables)?;
+    let h = shape.num_heads();
+    ensure(q.len() == rows.len() * h * shape.d_qk, || {
+        "q has the wrong length".into()
+    })?;
+    ensure(kv.len() >= layout.min_len(shape), || {
+        "kv pool is shorter than the layout".into()
+    })?;
+    let mut out = vec![0.0; rows.len() * h * shape.d_v];
+    for i in 0..rows.len() {
+        let (row, s, e) = (
+            rows.table_row[i] as usize,
+            rows.kv_start[i] as usize,
+            rows.kv_end[i] as usize,
+        );
+        for head in 0..h {
+            let kvh = head / shape.group;
+            let qv = &q[(i * h + head) * shape.d_qk..][..shape.d_qk];
+            let mut scores = Vec::with_capacity(e - s);
+            let mut offs = Vec::with_capacity(e - s);
+            for t in s..e {
+                let phys = tables.get(row, t / shape.block_size) as usize;
+                let off = layout.offset(shape, phys, t % shape.block_size, kvh);
+                let dot: f64 = qv
+                    .iter()
+                    .zip(&kv[off..off + shape.d_qk])
+                    .map(|(a, b)| a.to_f64() * b.to_f64())
+                    .sum();
+                scores.push(dot * scale);
+                offs.push(off);
+            }
+            let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let den: f64 = scores.iter().map(|x| (x - mx).exp()).sum();
+            let o = &mut out[(i * h + head) * shape.d_v..][..shape.d_v];
+            for (sc, off) in scores.iter().zip(&offs) {
+                let p = (sc - mx).exp() / den;
+                for (d, od) in o.iter_mut().enumerate() {
+                    *od += p * kv[off + d].to_f64();
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Query rows, block tables and their key ranges on the device, validated on upload.
+pub struct DeviceRows {
+    table_row: CudaSlice<i32>,
+    kv_start: CudaSlice<i32>,
+    kv_end: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    max_blocks: usize,
+    num_q: usize,
+    max_len: usize,
+    total_len: usize,
+}
+
+impl DeviceRows {
+    pub fn num_q(&self) -> usize {
+        self.num_q
+    }
+
+    /// Sum over rows of the keys each sees.
+    pub fn total_len(&self) -> usize {
+        self.total_len
+    }
+}
+
+/// Split partials: (max, sum, weighted values) per (row, head, split).
+pub struct AttentionWorkspace {
+    m: CudaSlice<f32>,
+    l: CudaSlice<f32>,
+    acc: CudaSlice<f32>,
+}
+
+/// Compile-time constants of the kernels for one shape.
+pub(crate) fn defines(shape: &PagedAttentionShape) -> [(&'static str, usize); 8] {
+    let (lpt, cpl) = lane_split(shape.d_qk);
+    [
+        ("TILE", tiled_tile(shape).unwrap_or(32)),
+        ("D_QK", shape.d_qk),
+        ("D_V", shape.d_v),
+        ("GROUP", shape.group),
+        ("LPT", lpt),
+        ("CPL", cpl),
+        ("WARPS", WARPS),
+        ("UNROLL", UNROLL),
+    ]
+}
+
+/// Tokens per shared-memory tile of the tiled kernel, or `None` when the shape does not suit it
+/// (value width not a multiple of 32, or the tiles would not fit in 48 KB of shared memory).
+pub fn tiled_tile(shape: &PagedAttentionShape) -> Option<usize> {
+    if !shape.d_v.is_multiple_of(32) {
+        return None;
+    }
+    [32usize, 16].into_iter().find(|&tile| {
+        let smem = shape.group * shape.d_qk * 4
+            + WARPS * tile * (shape.d_qk + 8) * 2
+            + WARPS * tile * shape.group * 4;
+        smem <= 48 * 1024
+    })
+}
+
+/// Which split kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum AttentionKernel {
+    /// Lanes split each row; online softmax per token; any shape.
+    Warp,
+    /// Shared-memory tiles; online softmax per tile (see [`tiled_tile`] for the shapes it takes).
+    Tiled,
+}
+
+/// The source compiled for one shape: the warp kernel, reduce and write, plus the tiled kernel
+/// where the shape suits it.
+pub(crate) fn source_for(shape: &PagedAttentionShape) -> String {
+    if tiled_tile(shape).is_some() {
+        format!("{SRC}\n{TILED_SRC}")
+    } else {
+        SRC.to_string()
+    }
+}
+
+/// The compiled kernels for one shape.
+pub struct PagedAttention {
+    pub shape: PagedAttentionShape,
+    split: CudaFunction,
+    tiled: Option<CudaFunction>,
+    kernel: AttentionKernel,
+    reduce: CudaFunction,
+    write: CudaFunction,
+    sm_count: usize,
+}
+
+impl PagedAttention {
+    pub fn new(gpu: &GpuContext, shape: PagedAttentionShape) -> Result<Self, KernelError> {
+        shape.validate()?;
+        let defines = defines(&shape);
+        let src = source_for(&shape);
+        let has_tiled = tiled_tile(&shape).is_some();
+        let mut names = vec![
+            "paged_attention_split",
+            "paged_attention_reduce",
+            "paged_kv_write",
+        ];
+        if has_tiled {
+            names.push("paged_attention_tiled");
+        }
+        let mut f = gpu
+            .functions("paged_attention", &src, &defines, &names)?
+            .into_iter();
+        let (split, reduce, write) = (
+            f.next().expect("split"),
+            f.next().expect("reduce"),
+            f.next().expect("write"),
+        );
+        let tiled = f.next();
+        let kernel = if tiled.is_some() {
+            AttentionKernel::Tiled
+        } else {
+            AttentionKernel::Warp
+        };
+        let sm_count = gpu
+            .ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map(|v| v.max(1) as usize)
+            .unwrap_or(132);
+        Ok(Self {
+            shape,
+            split,
+            tiled,
+            kernel,
+            reduce,
+            write,
+            sm_count,
+        })
+    }
+
+    /// Registers per thread and local-memory (spill) bytes of the split kernel in use.
+    pub fn split_resources(&self) -> (i32, i32) {
+        use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES;
+        let f = self.split_fn();
+        (
+            f.num_regs().unwrap_or(-1),
+            f.get_attribute(CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)
+                .unwrap_or(-1),
+        )
+    }
+
+    pub fn kernel(&self) -> AttentionKernel {
+        self.kernel
+    }
+
+    /// Selects the split kernel; `Tiled` is an error for shapes it does not take.
+    pub fn set_kernel(&mut self, k: AttentionKernel) -> Result<(), KernelError> {
+        ensure(k == AttentionKernel::Warp || self.tiled.is_some(), || {
+            format!("the tiled kernel does not take {:?}", self.shape)
+        })?;
+        self.kernel = k;
+        Ok(())
+    }
+
+    fn split_fn(&self) -> &CudaFunction {
+        match (&self.kernel, &self.tiled) {
+            (AttentionKernel::Tiled, Some(f)) => f,
+            _ => &self.split,
+        }
+    }
+
+    pub fn upload(
+        &self,
+        gpu: &GpuContext,
+        layout: &KvLayout,
+        tables: &BlockTables,
+        rows: &QueryRows,
+    ) -> Result<DeviceRows, KernelError> {
+        layout.validate(&self.shape)?;
+        rows.validate(&self.shape, layout, tables)?;
+        let s = &gpu.stream;
+        let nonempty = |v: &[i32]| if v.is_empty() { vec![0] } else { v.to_vec() };
+        Ok(DeviceRows {
+            table_row: s.clone_htod(&nonempty(&rows.table_row))?,
+            kv_start: s.clone_htod(&nonempty(&rows.kv_start))?,
+            kv_end: s.clone_htod(&nonempty(&rows.kv_end))?,
+            tables: s.clone_htod(&nonempty(&tables.entries))?,
+            max_blocks: tables.max_blocks,
+            num_q: rows.len(),
+            max_len: rows.max_len(),
+            total_len: rows
+                .kv_start
+                .iter()
+                .zip(&rows.kv_end)
+                .map(|(a, b)| (b - a) as usize)
+                .sum(),
+        })
+    }
+
+    /// Keys per warp: enough splits to give every SM ~16 warps, but at least 128 keys so the
+    /// partials stay small next to the keys read.
+    pub fn default_tokens_per_split(&self, rows: &DeviceRows) -> usize {
+        let work = rows.total_len * self.shape.num_kv_heads;
+        let target_warps = self.sm_count * 16;
+        work.div_ceil(target_warps.max(1)).div_ceil(128).max(1) * 128
+    }
+
+    pub fn workspace(
+        &self,
+        gpu: &GpuContext,
+        rows: &DeviceRows,
+        tokens_per_split: usize,
+    ) -> Result<AttentionWorkspace, KernelError> {
+        let splits = rows.max_len.div_ceil(tokens_per_split.max(1)).max(1);
+        let n = (rows.num_q * self.shape.num_heads() * splits).max(1);
+        let s = &gpu.stream;
+        Ok(AttentionWorkspace {
+            m: s.alloc_zeros(n)?,
+            l: s.alloc_zeros(n)?,
+            acc: s.alloc_zeros(n * self.shape.d_v)?,
+        })
+    }
+
+    /// out `[num_q, num_heads, d_v]` = attention of `q` `[num_q, num_heads, d_qk]` over `kv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        gpu: &GpuContext,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &DeviceRows,
+        tokens_per_split: usize,
+        ws: &mut AttentionWorkspace,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
+        layout.validate(sh)?;
+        ensure(tokens_per_split > 0, || {
+            "tokens_per_split must be positive".into()
+        })?;
+        ensure(q.len() >= rows.num_q * sh.num_heads() * sh.d_qk, || {
+            "q is too short".into()
+        })?;
+        ensure(out.len() >= rows.num_q * sh.num_heads() * sh.d_v, || {
+            "out is too short".into()
+        })?;
+        ensure(kv.len() >= layout.min_len(sh), || {
+            "kv view is shorter than the layout".into()
+        })?;
+        if rows.num_q == 0 {
+            return Ok(());
+        }
+        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
+        ensure(
+            ws.m.len() >= rows.num_q * sh.num_heads() * max_splits,
+            || "workspace too small for this split".into(),
+        )?;
+        let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
+        let (max_blocks, kvh, bs) = (
+            rows.max_blocks as i32,
+            sh.num_kv_heads as i32,
+            sh.block_size as i32,
+        );
+        let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                max_splits.div_ceil(WARPS) as u32,
+                rows.num_q as u32,
+                sh.num_kv_heads as u32,
+            ),
+            block_dim: ((WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream.launch_builder(self.split_fn());
+        b.arg(q)
+            .arg(kv)
+            .arg(&rows.tables)
+            .arg(&max_blocks)
+            .arg(&rows.table_row)
+            .arg(&rows.kv_start)
+            .arg(&rows.kv_end);
+        b.arg(&block_stride)
+            .arg(&row_stride)
+            .arg(&kvh)
+            .arg(&bs)
+            .arg(&tps)
+            .arg(&ms)
+            .arg(&scale);
+        b.arg(&mut ws.m).arg(&mut ws.l).arg(&mut ws.acc);
+        // SAFETY: shapes and every block id reachable from the rows were checked above/on upload.
+        unsafe { b.launch(cfg) }?;
+        let heads = sh.num_heads() as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows.num_q as u32, sh.num_heads() as u32, 1),
+            block_dim: (REDUCE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream.launch_builder(&self.reduce);
+        b.arg(&rows.kv_start)
+            .arg(&rows.kv_end)
+            .arg(&tps)
+            .arg(&ms)
+            .arg(&heads);
+        b.arg(&ws.m).arg(&ws.l).arg(&ws.acc).arg(out);
+        // SAFETY: workspace and output sizes checked above.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Writes `n` rows of `src` (`[n, num_kv_heads * d_qk]`) to the pool at `slots`
+    /// (`physical_block * block_size + offset`; negative slots are skipped).
+    pub fn write_kv(
+        &self,
+        gpu: &GpuContext,
+        src: &CudaSlice<bf16>,
+        slots: &[i64],
+        kv: &mut CudaViewMut<'_, bf16>,
+        layout: &KvLayout,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
+        layout.validate(sh)?;
+        ensure(src.len() >= slots.len() * sh.num_kv_heads * sh.d_qk, || {
+            "src is too short".into()
+        })?;
+        ensure(kv.len() >= layout.min_len(sh), || {
+            "kv view is shorter than the layout".into()
+        })?;
+        for &s in slots {
+            ensure(s < (layout.num_blocks * sh.block_size) as i64, || {
+                format!("slot {s} outside the pool")
+            })?;
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let d_slots = gpu.stream.clone_htod(slots)?;
+        let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
+        let (kvh, bs) = (sh.num_kv_heads as i32, sh.block_size as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (slots.len() as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream.launch_builder(&self.write);
+        b.arg(src)
+            .arg(&d_slots)
+            .arg(kv)
+            .arg(&block_stride)
+            .arg(&row_stride)
+            .arg(&kvh)
+            .arg(&bs);
+        // SAFETY: every slot was checked against the pool.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// CPU reference of [`PagedAttention::write_kv`].
+pub fn paged_kv_write_cpu(
+    shape: &PagedAttentionShape,
+    layout: &KvLayout,
+    src: &[bf16],
+    slots: &[i64],
+    kv: &mut [bf16],
+) {
+    let w = shape.num_kv_heads * shape.d_qk;
+    for (i, &s) in slots.iter().enumerate() {
+        if s < 0 {
+            continue;
+        }
+        let (b, o) = (s as usize / shape.block_size, s as usize % shape.block_size);
+        let off = b * layout.block_stride + o * layout.row_stride;
+        kv[off..off + w].copy_from_slice(&src[i * w..(i + 1) * w]);
+    }
+}
+
+/// A random permutation of `num_blocks` pool blocks dealt out to `rows` table rows.
+pub fn random_tables(seed: u64, rows: usize, max_blocks: usize, num_blocks: usize) -> BlockTables {
+    use rand::seq::SliceRandom;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    ids.shuffle(&mut rng(seed));
+    let entries = (0..rows * max_blocks)
+        .map(|i| ids[i % num_blocks])
+        .collect();
+    BlockTables {
+        max_blocks,
+        entries,
+    }
+}
+
+/// One GPU check: decode rows of ragged lengths, and a prefill chunk over a cached prefix.
+fn check_case(
+    gpu: &GpuContext,
+    seed: u64,
+    shape: PagedAttentionShape,
+    decode: bool,
+    kernel: AttentionKernel,
+) -> Result<CheckResult, KernelError> {
+    let mut r = rng(seed);
+    let bs = shape.block_size;
+    let (rows, tables, num_blocks, what) = if decode {
+        let lens = [1usize, bs - 1, bs, 3 * bs + 17, 5 * bs + 1, 0];
+        let max_blocks = 6;
+        let nb = lens.len() * max_blocks;
+        (
+            QueryRows::decode(&lens),
+            random_tables(seed, lens.len(), max_blocks, nb),
+            nb,
+            format!("decode lens {lens:?}"),
+        )
+    } else {
+        let (prefix, chunk) = (2 * bs + 5, 37);
+        let max_blocks = (prefix + chunk).div_ceil(bs);
+        (
+            QueryRows::prefill_chunk(0, prefix, chunk),
+            random_tables(seed, 1, max_blocks, max_blocks + 3),
+            max_blocks + 3,
+            format!("prefill prefix {prefix} chunk {chunk}"),
+        )
+    };
+    let layout = KvLayout::packed(&shape, num_blocks);
+    let kv = random_bf16(&mut r, layout.min_len(&shape), 1.0);
+    let q = random_bf16(&mut r, rows.len() * shape.num_heads() * shape.d_qk, 1.0);
+    let scale = 1.0 / (shape.d_qk as f64).sqrt();
+    let reference = paged_attention_cpu(&shape, &layout, &q, &kv, &tables, &rows, scale)?;
+    let mut att = PagedAttention::new(gpu, shape)?;
+    att.set_kernel(kernel)?;
+    let d_rows = att.upload(gpu, &layout, &tables, &rows)?;
+    let (dq, dkv) = (gpu.stream.clone_htod(&q)?, gpu.stream.clone_htod(&kv)?);
+    // Poison the output so unwritten elements show up as NaN.
+    let mut out = gpu.stream.clone_htod(&vec![bf16::NAN; reference.len()])?;
+    // A small split forces several partials per row, exercising the merge.
+    let tps = 64;
+    let mut ws = att.workspace(gpu, &d_rows, tps)?;
+    att.run(
+        gpu,
+        &dq,
+        &dkv.as_view(),
+        &layout,
+        &d_rows,
+        tps,
+        &mut ws,
+        scale as f32,
+        &mut out,
+    )?;
+    let got: Vec<f64> = gpu
+        .stream
+        .clone_dtoh(&out)?
+        .iter()
+        .map(|v| v.to_f64())
+        .collect();
+    let detail = format!(
+        "{kernel:?} kvh={} group={} d_qk={} d_v={} {what}",
+        shape.num_kv_heads, shape.group, shape.d_qk, shape.d_v
+    );
+    Ok(CheckResult::from_stats(
+        "paged_attention",
+        detail,
+        ErrorStats::of(&got, &reference),
+        BF16_TOL,
+    ))
+}
+
+fn check_write(gpu: &GpuContext, seed: u64) -> Result<CheckResult, KernelError> {
+    let shape = PagedAttentionShape {
+        num_kv_heads: 2,
+        group: 1,
+        d_qk: 64,
+        d_v: 64,
+        block_size: 16,
+    };
+    // A wider block stride, as in the block-major multi-layer pool.
+    let base = KvLayout::packed(&shape, 4);
+    let layout = KvLayout {
+        block_stride: base.block_stride * 3,
+        ..base
+    };
+    let mut r = rng(seed);
+    let mut pool = random_bf16(&mut r, layout.min_len(&shape), 1.0);
+    let slots: Vec<i64> = vec![0, 17, -1, 63, 35];
+    let src = random_bf16(&mut r, slots.len() * shape.num_kv_heads * shape.d_qk, 1.0);
+    let att = PagedAttention::new(gpu, shape)?;
+    let mut dpool = gpu.stream.clone_htod(&pool)?;
+    let dsrc = gpu.stream.clone_htod(&src)?;
+    att.write_kv(gpu, &dsrc, &slots, &mut dpool.as_view_mut(), &layout)?;
+    paged_kv_write_cpu(&shape, &layout, &src, &slots, &mut pool);
+    let got = gpu.stream.clone_dtoh(&dpool)?;
+    let mismatches = got
+        .iter()
+        .zip(&pool)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    Ok(CheckResult::exact(
+        "paged_kv_write",
+        format!("slots {slots:?}, block stride x3"),
+        mismatches,
+    ))
+}
+
+pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
+    let shapes = [
+        PagedAttentionShape {
+            num_kv_heads: 2,
+            group: 4,
+            d_qk: 128,
+            d_v: 128,
+            block_size: 128,
+        },
+        PagedAttentionShape {
+            num_kv_heads: 1,
+            group: 8,
+            d_qk: 192,
+            d_v: 128,
+            block_size: 128,
+        },
+        PagedAttentionShape {
+            num_kv_heads: 1,
+            group: 2,
+            d_qk: 576,
+            d_v: 512,
+            block_size: 128,
+        },
+        // takes the tiled kernel with 16-token tiles
+        PagedAttentionShape {
+            num_kv_heads: 4,
+            group: 2,
+            d_qk: 256,
+            d_v: 256,
+            block_size: 128,
+        },
+    ];
+    let mut out = Vec::new();
+    for (i, s) in shapes.iter().enumerate() {
+        let mut kernels = vec![AttentionKernel::Warp];
+        if tiled_tile(s).is_some() {
+            kernels.push(AttentionKernel::Tiled);
+        }
+        for k in kernels {
+            out.push(check_case(gpu, seed + 2 * i as u64, *s, true, k)?);
+            out.push(check_case(gpu, seed + 2 * i as u64 + 1, *s, false, k)?);
+        }
+    }
+    out.push(check_write(gpu, seed + 100)?);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::gpu_or_skip;
+
+    fn tiny() -> PagedAttentionShape {
+        PagedAttentionShape {
+            num_kv_heads: 1,
+            group: 2,
+            d_qk: 8,
+            d_v: 4,
+            block_size: 2,
+        }
+    }
+
+    #[test]
+    fn one_key_returns_its_value_prefix() {
+        let shape = tiny();
+        let layout = KvLayout::packed(&shape, 2);
+        let kv: Vec<bf16> = (0..layout.min_len(&shape))
+            .map(|i| bf16::from_f32(i as f32))
+            .collect();
+        let tables = BlockTables {
+            max_blocks: 2,
+            entries: vec![1, 0],
+        };
+        let rows = QueryRows::decode(&[1]);
+        let q = vec![bf16::from_f32(0.5); 2 * 8];
+        let out = paged_attention_cpu(&shape, &layout, &q, &kv, &tables, &rows, 1.0).unwrap();
+        // logical token 0 is physical block 1, slot 0: elements 16..24; values are its first 4.
+        assert_eq!(out, vec![16.0, 17.0, 18.0, 19.0, 16.0, 17.0, 18.0, 19.0]);
+    }
+
+    #[test]
+    fn equal_scores_average_the_values() {
+        let shape = tiny();
+        let layout = KvLayout::packed(&shape, 1);
+        let mut kv = vec![bf16::ZERO; layout.min_len(&shape)];
+        kv[0] = bf16::from_f32(2.0); // token 0, value dim 0
+        kv[8] = bf16::from_f32(4.0); // token 1, value dim 0
+        let tables = BlockTables {
+            max_blocks: 1,
+            entries: vec![0],
+        };
+        // q is zero: every score is 0, so the output is the mean of the values.
+        let q = vec![bf16::ZERO; 16];
+        let out = paged_attention_cpu(
+            &shape,
+            &layout,
+            &q,
+            &kv,
+            &tables,
+            &QueryRows::decode(&[2]),
+            1.0,
+        )
+        .unwrap();
+        assert_eq!(out[0], 3.0);
+    }
+
+    #[test]
+    fn out_of_pool_block_is_an_error_not_a_fault() {
+        let shape = tiny();
+        let layout = KvLayout::packed(&shape, 1);
+        let tables = BlockTables {
+            max_blocks: 2,
+            entries: vec![0, 5],
+        };
+        let err = QueryRows::decode(&[3])
+            .validate(&shape, &layout, &tables)
+            .unwrap_err();
+        assert!(err.to_string().contains("block 5"), "{err}");
+        assert!(
+            QueryRows::decode(&[5])
+                .validate(&shape, &layout, &tables)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn tiled_kernel_takes_shapes_whose_tiles_fit() {
+        let s = |group, d_qk, d_v| PagedAttentionShape {
+            num_kv_heads: 1,
+            group,
+            d_qk,
+            d_v,
+            block_size: 128,
+        };
+        assert_eq!(tiled_tile(&s(4, 128, 128)), Some(32));
+        assert_eq!(tiled_tile(&s(2, 256, 256)), Some(16));
+        assert_eq!(tiled_tile(&s(16, 576, 512)), None);
+        assert_eq!(tiled_tile(&s(4, 128, 120)), None);
+    }
+
+    #[test]
+    fn prefill_rows_are_causal() {
+        let r = QueryRows::prefill_chunk(3, 10, 3);
+        assert_eq!(r.kv_end, vec![11, 12, 13]);
+        assert_eq!(r.table_row, vec![3, 3, 3]);
+    }
+
+    #[test]
+    fn gpu_matches_cpu() {
+        let Some(gpu) = gpu_or_skip() else { return };
+        crate::check::assert_all_passed(&check_gpu(&gpu, 11).unwrap());
+    }
+}

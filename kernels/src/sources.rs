@@ -1,0 +1,112 @@
+//! Compiles every kernel source with NVRTC (no GPU needed), so syntax and type errors in the
+//! CUDA C show up on any machine that has libnvrtc.
+
+use crate::error::KernelError;
+use crate::gpu::compile;
+
+/// (name, source, defines) of one compiled variant.
+pub type Variant = (String, String, Vec<(&'static str, usize)>);
+
+/// Every variant the crate's checks and benchmarks compile.
+pub fn all_variants() -> Vec<Variant> {
+    use crate::attention::PagedAttentionShape as P;
+    let mut v = Vec::new();
+    for s in [
+        P {
+            num_kv_heads: 2,
+            group: 4,
+            d_qk: 128,
+            d_v: 128,
+            block_size: 128,
+        },
+        P {
+            num_kv_heads: 1,
+            group: 8,
+            d_qk: 192,
+            d_v: 128,
+            block_size: 128,
+        },
+        P {
+            num_kv_heads: 1,
+            group: 2,
+            d_qk: 576,
+            d_v: 512,
+            block_size: 128,
+        },
+        P {
+            num_kv_heads: 2,
+            group: 1,
+            d_qk: 64,
+            d_v: 64,
+            block_size: 16,
+        },
+        P {
+            num_kv_heads: 4,
+            group: 2,
+            d_qk: 256,
+            d_v: 256,
+            block_size: 128,
+        },
+        P {
+            num_kv_heads: 8,
+            group: 4,
+            d_qk: 128,
+            d_v: 128,
+            block_size: 128,
+        },
+    ] {
+        v.push((
+            format!("paged_attention {s:?}"),
+            crate::attention::source_for(&s),
+            crate::attention::defines(&s).to_vec(),
+        ));
+    }
+    let sw = crate::swa::SwaShape {
+        num_kv_heads: 2,
+        group: 4,
+        head_dim: 64,
+    };
+    v.push((
+        format!("swa_attention {sw:?}"),
+        crate::swa::SOURCE.to_string(),
+        crate::swa::defines(&sw).to_vec(),
+    ));
+    for (name, src) in [
+        ("fill", crate::fill::SRC),
+        ("rmsnorm", crate::norm::SRC),
+        ("rope", crate::rope::SRC),
+        ("moe", crate::moe::SRC),
+        ("sampling", crate::sampling::SRC),
+    ] {
+        v.push((name.to_string(), src.to_string(), Vec::new()));
+    }
+    v
+}
+
+/// Compiles every variant for `cc`; returns the PTX size of each.
+pub fn compile_all(cc: (i32, i32)) -> Result<Vec<(String, usize)>, KernelError> {
+    all_variants()
+        .into_iter()
+        .map(|(name, src, defs)| {
+            let ptx = compile(&name, &src, &defs, cc)?;
+            Ok((name, ptx.to_src().len()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_compiles_for_sm90() {
+        // SAFETY: library probe only.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            println!("skipped: no NVRTC");
+            return;
+        }
+        for (name, bytes) in compile_all((9, 0)).unwrap_or_else(|e| panic!("{e}")) {
+            assert!(bytes > 0, "{name}");
+        }
+    }
+}
