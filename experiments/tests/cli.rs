@@ -335,3 +335,47 @@ fn main_job_reproduces_the_published_table() {
         assert!(r.ends_with(",true"), "cell outside tolerance: {r}");
     }
 }
+
+#[test]
+fn eplb_reproduces_the_published_example() {
+    let d = scratch("eplb");
+    let w = d.join("weight.json");
+    std::fs::write(
+        &w,
+        r#"{"weight": [[90,132,40,61,104,165,39,4,73,56,183,86],[20,107,104,64,19,197,187,157,172,86,16,27]]}"#,
+    )
+    .unwrap();
+    let args = [
+        "eplb",
+        "--input",
+        w.to_str().unwrap(),
+        "--replicas",
+        "16",
+        "--groups",
+        "4",
+        "--nodes",
+        "2",
+        "--gpus",
+        "8",
+    ];
+    let o = servelab(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let want: serde_json::Value = serde_json::from_str(
+        "[[5,6,5,7,8,4,3,4,10,9,10,2,0,1,11,1],[7,10,6,8,6,11,8,9,2,4,5,1,5,0,3,1]]",
+    )
+    .unwrap();
+    assert_eq!(v["phy2log"], want);
+    let logcnt: serde_json::Value =
+        serde_json::from_str("[[1,2,1,1,2,2,1,1,1,1,2,1],[1,2,1,1,1,2,2,1,2,1,1,1]]").unwrap();
+    assert_eq!(v["logcnt"], logcnt);
+    let mut bad = args.to_vec();
+    bad[4] = "18";
+    let o = servelab(&bad);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("weight.json") && stderr(&o).contains("not a multiple"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -1,8 +1,99 @@
-//! `servelab eplb` (owned by the eplb work; replaced when it lands).
+//! `servelab eplb`: DeepSeek's EPLB on a load matrix from a JSON file.
+//!
+//! Reads `{"weight": [[...], ...]}` (layers × logical experts) and prints one JSON object
+//! `{"phy2log": ..., "log2phy": ..., "logcnt": ...}` on stdout.
+
+use anyhow::{Context, Result, anyhow};
+use serde::Deserialize;
+use servelab_core::eplb::rebalance_experts;
+use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// JSON file `{"weight": [[...], ...]}`: load per layer and logical expert.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Physical expert slots per layer (a multiple of --gpus, at least the number of experts).
+    #[arg(long)]
+    pub replicas: usize,
+    /// Expert groups (must divide the number of experts).
+    #[arg(long)]
+    pub groups: usize,
+    /// Server nodes (must divide --gpus); hierarchical placement when they divide --groups.
+    #[arg(long)]
+    pub nodes: usize,
+    /// GPUs.
+    #[arg(long)]
+    pub gpus: usize,
+    /// Indent the JSON output.
+    #[arg(long)]
+    pub pretty: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("servelab eplb: not available in this build")
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Input {
+    weight: Vec<Vec<f64>>,
+}
+
+/// Parses the input text; errors say what is wrong (the caller names the file).
+fn parse_weight(text: &str) -> Result<Vec<Vec<f32>>> {
+    let input: Input = serde_json::from_str(text).map_err(|e| anyhow!("{e}"))?;
+    // EPLB's loads are float32; a value beyond its range would silently become infinite.
+    for (l, row) in input.weight.iter().enumerate() {
+        if let Some((e, v)) = row
+            .iter()
+            .enumerate()
+            .find(|(_, v)| v.abs() > f64::from(f32::MAX))
+        {
+            return Err(anyhow!("weight[{l}][{e}] = {v} does not fit in float32"));
+        }
+    }
+    Ok(input
+        .weight
+        .into_iter()
+        .map(|row| row.into_iter().map(|v| v as f32).collect())
+        .collect())
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let file = a.input.display();
+    let text = std::fs::read_to_string(&a.input).with_context(|| format!("reading {file}"))?;
+    let weight = parse_weight(&text)
+        .with_context(|| format!("{file}: expected {{\"weight\": [[...], ...]}}"))?;
+    let placement =
+        rebalance_experts(&weight, a.replicas, a.groups, a.nodes, a.gpus).map_err(|e| {
+            anyhow!(
+                "{file} with --replicas {} --groups {} --nodes {} --gpus {}: {e}",
+                a.replicas,
+                a.groups,
+                a.nodes,
+                a.gpus
+            )
+        })?;
+    let out = if a.pretty {
+        serde_json::to_string_pretty(&placement)?
+    } else {
+        serde_json::to_string(&placement)?
+    };
+    println!("{out}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_rejects() {
+        assert_eq!(
+            parse_weight(r#"{"weight": [[1, 2.5], [0, 3]]}"#).unwrap(),
+            vec![vec![1.0, 2.5], vec![0.0, 3.0]]
+        );
+        let err = |t: &str| parse_weight(t).unwrap_err().to_string();
+        assert!(err(r#"{"weights": [[1]]}"#).contains("unknown field"));
+        assert!(err(r#"{"weight": [[1, "x"]]}"#).contains("invalid type"));
+        assert!(err(r#"{"weight": [[1e300]]}"#).contains("float32"));
+        assert!(err("not json").contains("expected"));
+    }
 }

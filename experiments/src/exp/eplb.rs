@@ -1,7 +1,443 @@
-//! The EPLB imbalance experiment (owned by the EPLB work; replaced when it lands).
+//! The EPLB experiment (SPEC §9): MoE imbalance (slowest rank ÷ mean) over time for each
+//! scenario (prefill EP2/DP2 and EP4/DP4, decode EP64) under several placement policies.
+//!
+//! Per scenario one seeded load generator draws each step's expert token counts, and every
+//! policy observes the same counts, so policies are compared on identical traffic.
 
-use super::RunContext;
+use super::{RunContext, progress};
+use crate::config::ExperimentHeader;
+use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::plot;
+use anyhow::{Result, anyhow, bail};
+use polars::prelude::*;
+use rayon::prelude::*;
+use serde::Deserialize;
+use servelab_core::Nanos;
+use servelab_core::eplb::{
+    EpGroup, ExpertLoadGenerator, ExpertPlacer, MoeBatch, MoeModel, Phase, PlacementPolicy,
+    SkewConfig,
+};
 
-pub fn run(_ctx: &RunContext) -> anyhow::Result<()> {
-    anyhow::bail!("experiment kind `eplb`: not available in this build")
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EplbConfig {
+    pub experiment: ExperimentHeader,
+    #[serde(default)]
+    pub model: MoeModel,
+    pub skew: PhaseSkew,
+    /// Steps averaged into one point of the time series (table and plot).
+    pub bin_steps: u64,
+    pub scenario: Vec<Scenario>,
+}
+
+/// Prefill and decode traffic route differently.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PhaseSkew {
+    pub prefill: SkewConfig,
+    pub decode: SkewConfig,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub name: String,
+    pub phase: Phase,
+    pub ep: EpGroup,
+    pub steps: u64,
+    /// Simulated duration of one step (drives the popularity drift).
+    pub step_time: Nanos,
+    /// Tokens per step over all DP ranks of the EP group.
+    pub tokens_per_step: u64,
+    /// Requests those tokens come from.
+    pub sequences_per_step: u64,
+    /// Steps left out of the summary statistics (before the first reassignment).
+    pub warmup_steps: u64,
+    pub policy: Vec<PolicyRun>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyRun {
+    pub label: String,
+    pub placement: PlacementPolicy,
+    /// The published imbalance this row should land near, if any.
+    #[serde(default)]
+    pub spec_imbalance: Option<f64>,
+}
+
+/// One policy's trace through one scenario.
+struct Trace {
+    imbalance: Vec<f64>,
+    reassign_steps: Vec<u64>,
+    bytes_moved: u64,
+    cost_total: Nanos,
+    cost_max: Nanos,
+    slots_per_gpu: usize,
+}
+
+fn run_scenario(
+    model: &MoeModel,
+    skew: &SkewConfig,
+    s: &Scenario,
+    seed: u64,
+    pb: &indicatif::ProgressBar,
+) -> Result<Vec<Trace>> {
+    let mut generator = ExpertLoadGenerator::new(model, s.phase, skew, seed, &s.name)
+        .map_err(|e| anyhow!("{e}"))?;
+    let mut placers = s
+        .policy
+        .iter()
+        .map(|p| {
+            ExpertPlacer::new(model, &s.ep, &p.placement)
+                .map_err(|e| anyhow!("policy `{}`: {e}", p.label))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut traces: Vec<Trace> = s
+        .policy
+        .iter()
+        .map(|p| Trace {
+            imbalance: Vec::with_capacity(s.steps as usize),
+            reassign_steps: Vec::new(),
+            bytes_moved: 0,
+            cost_total: Nanos::ZERO,
+            cost_max: Nanos::ZERO,
+            slots_per_gpu: s.ep.slots(model, &p.placement) / s.ep.gpus,
+        })
+        .collect();
+    let batch = MoeBatch {
+        tokens: s.tokens_per_step,
+        sequences: s.sequences_per_step,
+    };
+    for step in 0..s.steps {
+        let now = Nanos(step.saturating_mul(s.step_time.0));
+        let counts = generator.sample(now, batch);
+        for (placer, t) in placers.iter_mut().zip(&mut traces) {
+            let m = placer.observe(counts);
+            t.imbalance.push(m.imbalance);
+            if m.reassigned {
+                t.reassign_steps.push(step);
+                t.bytes_moved += m.bytes_moved;
+                t.cost_total += m.reassignment_cost_ns;
+                t.cost_max = t.cost_max.max(m.reassignment_cost_ns);
+            }
+        }
+        if step % 1_000 == 999 {
+            pb.inc(1_000);
+        }
+    }
+    pb.inc(s.steps % 1_000);
+    Ok(traces)
+}
+
+/// One scenario × policy of the summary table.
+struct SummaryRow {
+    scenario: String,
+    phase: &'static str,
+    policy: String,
+    gpus: u64,
+    slots_per_gpu: u64,
+    placement: &'static str,
+    mean: f64,
+    p50: f64,
+    p99: f64,
+    max: f64,
+    spec: Option<f64>,
+    reassignments: u64,
+    bytes_moved_gb: f64,
+    mean_cost_ms: f64,
+    max_cost_ms: f64,
+}
+
+/// A file-name-safe form of a scenario name.
+fn slug(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    out.trim_matches('-').to_string()
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[i]
+}
+
+pub fn run(ctx: &RunContext) -> Result<()> {
+    let cfg: EplbConfig = ctx.config.parse()?;
+    let path = ctx.config.path.display().to_string();
+    cfg.model.validate().map_err(|e| anyhow!("{path}: {e}"))?;
+    cfg.skew
+        .prefill
+        .validate("skew.prefill")
+        .map_err(|e| anyhow!("{path}: {e}"))?;
+    cfg.skew
+        .decode
+        .validate("skew.decode")
+        .map_err(|e| anyhow!("{path}: {e}"))?;
+    if cfg.scenario.is_empty() {
+        bail!("{path}: at least one [[scenario]] is needed");
+    }
+    if cfg.bin_steps == 0 {
+        bail!("{path}: invalid `bin_steps`: must be at least 1");
+    }
+    for s in &cfg.scenario {
+        if s.policy.is_empty() {
+            bail!("{path}: scenario `{}` has no [[scenario.policy]]", s.name);
+        }
+        if s.warmup_steps >= s.steps {
+            bail!(
+                "{path}: scenario `{}`: invalid `warmup_steps`: {} leaves none of its {} steps",
+                s.name,
+                s.warmup_steps,
+                s.steps
+            );
+        }
+        if s.step_time == Nanos::ZERO {
+            bail!(
+                "{path}: scenario `{}`: invalid `step_time`: must be positive",
+                s.name
+            );
+        }
+        for p in &s.policy {
+            s.ep.validate(&cfg.model, &p.placement)
+                .map_err(|e| anyhow!("{path}: scenario `{}`, policy `{}`: {e}", s.name, p.label))?;
+        }
+    }
+    let seed = ctx.seed();
+    let pb = progress(ctx, cfg.scenario.iter().map(|s| s.steps).sum(), "steps");
+    let results: Vec<Result<Vec<Trace>>> = cfg
+        .scenario
+        .par_iter()
+        .map(|s| {
+            let skew = match s.phase {
+                Phase::Prefill => &cfg.skew.prefill,
+                Phase::Decode => &cfg.skew.decode,
+            };
+            run_scenario(&cfg.model, skew, s, seed, &pb)
+                .map_err(|e| anyhow!("{path}: scenario `{}`: {e}", s.name))
+        })
+        .collect();
+    pb.finish_and_clear();
+    let traces: Vec<Vec<Trace>> = results.into_iter().collect::<Result<_>>()?;
+
+    let mut out = RunOutput::create(&ctx.out)?;
+
+    // Time series: one row per scenario × policy × bin.
+    let (mut c_scn, mut c_pol, mut c_step, mut c_time, mut c_imb, mut c_re) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    // Binned points, `[scenario][policy]` in config order.
+    let mut series: Vec<Vec<Vec<(f64, f64)>>> = Vec::new();
+    for (s, ts) in cfg.scenario.iter().zip(&traces) {
+        let mut per_policy = Vec::new();
+        for (p, t) in s.policy.iter().zip(ts) {
+            let mut pts = Vec::new();
+            for (b, chunk) in t.imbalance.chunks(cfg.bin_steps as usize).enumerate() {
+                let start = b as u64 * cfg.bin_steps;
+                let end = start + chunk.len() as u64;
+                let mean = chunk.iter().sum::<f64>() / chunk.len() as f64;
+                let time_s = Nanos(start.saturating_mul(s.step_time.0)).as_secs_f64();
+                c_scn.push(s.name.clone());
+                c_pol.push(p.label.clone());
+                c_step.push(start);
+                c_time.push(time_s);
+                c_imb.push(mean);
+                c_re.push(
+                    t.reassign_steps
+                        .iter()
+                        .filter(|&&r| r >= start && r < end)
+                        .count() as u64,
+                );
+                pts.push((time_s, mean));
+            }
+            per_policy.push(pts);
+        }
+        series.push(per_policy);
+    }
+    let mut ts_df = df!(
+        "scenario" => c_scn,
+        "policy" => c_pol,
+        "step" => c_step,
+        "time_s" => c_time,
+        "imbalance" => c_imb,
+        "reassignments" => c_re,
+    )?;
+    out.write_table("imbalance_over_time", &mut ts_df)?;
+
+    // Summary: one row per scenario × policy, statistics after the warm-up.
+    let mut rows_md = Vec::new();
+    let mut rows: Vec<SummaryRow> = Vec::new();
+    for (s, ts) in cfg.scenario.iter().zip(&traces) {
+        for (p, t) in s.policy.iter().zip(ts) {
+            let kept = &t.imbalance[s.warmup_steps as usize..];
+            let mean = kept.iter().sum::<f64>() / kept.len() as f64;
+            let mut sorted = kept.to_vec();
+            sorted.sort_by(f64::total_cmp);
+            let (p50, p99, max) = (
+                quantile(&sorted, 0.5),
+                quantile(&sorted, 0.99),
+                quantile(&sorted, 1.0),
+            );
+            let n_re = t.reassign_steps.len() as u64;
+            let mean_cost_ms = if n_re > 0 {
+                t.cost_total.as_millis_f64() / n_re as f64
+            } else {
+                0.0
+            };
+            let gb = t.bytes_moved as f64 / 1e9;
+            rows_md.push(vec![
+                s.name.clone(),
+                p.label.clone(),
+                t.slots_per_gpu.to_string(),
+                format!("{mean:.3}"),
+                p.spec_imbalance.map_or("–".into(), |x| format!("{x:.3}")),
+                format!("{p99:.3}"),
+                n_re.to_string(),
+                if n_re > 0 {
+                    format!("{:.1} GB / {:.0} ms", gb / n_re as f64, mean_cost_ms)
+                } else {
+                    "–".into()
+                },
+            ]);
+            rows.push(SummaryRow {
+                scenario: s.name.clone(),
+                phase: s.phase.name(),
+                policy: p.label.clone(),
+                gpus: s.ep.gpus as u64,
+                slots_per_gpu: t.slots_per_gpu as u64,
+                placement: p.placement.name(),
+                mean,
+                p50,
+                p99,
+                max,
+                spec: p.spec_imbalance,
+                reassignments: n_re,
+                bytes_moved_gb: gb,
+                mean_cost_ms,
+                max_cost_ms: t.cost_max.as_millis_f64(),
+            });
+        }
+    }
+    fn col<T>(rows: &[SummaryRow], f: impl Fn(&SummaryRow) -> T) -> Vec<T> {
+        rows.iter().map(f).collect()
+    }
+    let mut summary_df = df!(
+        "scenario" => col(&rows, |r| r.scenario.clone()),
+        "phase" => col(&rows, |r| r.phase),
+        "policy" => col(&rows, |r| r.policy.clone()),
+        "gpus" => col(&rows, |r| r.gpus),
+        "slots_per_gpu" => col(&rows, |r| r.slots_per_gpu),
+        "placement" => col(&rows, |r| r.placement),
+        "mean_imbalance" => col(&rows, |r| r.mean),
+        "p50_imbalance" => col(&rows, |r| r.p50),
+        "p99_imbalance" => col(&rows, |r| r.p99),
+        "max_imbalance" => col(&rows, |r| r.max),
+        "spec_imbalance" => col(&rows, |r| r.spec),
+        "reassignments" => col(&rows, |r| r.reassignments),
+        "bytes_moved_gb" => col(&rows, |r| r.bytes_moved_gb),
+        "mean_reassignment_ms" => col(&rows, |r| r.mean_cost_ms),
+        "max_reassignment_ms" => col(&rows, |r| r.max_cost_ms),
+    )?;
+    out.write_table("summary", &mut summary_df)?;
+
+    // One plot per scenario (policies differ by up to several ×), and one of the rows compared
+    // with SPEC §9 together.
+    for (s, per_policy) in cfg.scenario.iter().zip(&series) {
+        let lines: Vec<(String, Vec<(f64, f64)>)> = s
+            .policy
+            .iter()
+            .zip(per_policy)
+            .map(|(p, pts)| (p.label.clone(), pts.clone()))
+            .collect();
+        let p = out.path(&format!("imbalance_{}.svg", slug(&s.name)));
+        plot::lines(
+            &p,
+            &format!(
+                "{}: MoE imbalance (slowest rank / mean), {}-step means",
+                s.name, cfg.bin_steps
+            ),
+            "time (s)",
+            "imbalance",
+            &lines,
+        )?;
+    }
+    // After each scenario's warm-up (the uniform initial placement would dwarf the rest), with
+    // the published figure as a flat line beside each row.
+    let mut compared: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for (s, per_policy) in cfg.scenario.iter().zip(&series) {
+        let warm_s = Nanos(s.warmup_steps.saturating_mul(s.step_time.0)).as_secs_f64();
+        for (p, pts) in s.policy.iter().zip(per_policy) {
+            let Some(spec) = p.spec_imbalance else {
+                continue;
+            };
+            let kept: Vec<(f64, f64)> = pts.iter().copied().filter(|(t, _)| *t >= warm_s).collect();
+            let (Some(first), Some(last)) = (kept.first(), kept.last()) else {
+                continue;
+            };
+            let flat = vec![(first.0, spec), (last.0, spec)];
+            compared.push((format!("{} · {}", s.name, p.label), kept));
+            compared.push((format!("{} · SPEC §9 {spec}", s.name), flat));
+        }
+    }
+    if !compared.is_empty() {
+        let p = out.path("imbalance_vs_spec.svg");
+        plot::lines(
+            &p,
+            &format!("Rows with a SPEC §9 figure, {}-step means", cfg.bin_steps),
+            "time (s)",
+            "imbalance",
+            &compared,
+        )?;
+    }
+
+    let header = [
+        "scenario",
+        "policy",
+        "slots/GPU",
+        "mean imbalance",
+        "SPEC §9",
+        "p99",
+        "reassignments",
+        "per reassignment",
+    ];
+    let table = markdown_table(&header, &rows_md);
+    let m = &cfg.model;
+    let mut summary = format!(
+        "# Expert-parallel load balancing (SPEC §9)\n\nConfig `{path}`, seed {seed}. Model: {} MoE layers × {} routed \
+         experts in {} groups, top-{}, {:.0} MB per expert. Imbalance is Σ over layers of the slowest rank's \
+         token-expert assignments ÷ Σ of the mean rank's, averaged over the steps after each scenario's warm-up; \
+         \"per reassignment\" is the expert weight moved and the time the busiest GPU spends receiving it.\n\n{table}\n",
+        m.layers,
+        m.experts,
+        m.groups,
+        m.top_k,
+        m.expert_bytes as f64 / 1e6
+    );
+    if let Some(d) = &cfg.experiment.description {
+        summary.push_str(&format!("\n## Why these parameters\n\n{}\n", d.trim()));
+    }
+    summary.push_str("\n## Files\n\n- `summary.csv`/`.parquet`: the table above with p50/max.\n- `imbalance_over_time.csv`/`.parquet`: binned imbalance per scenario and policy.\n- `imbalance_<scenario>.svg`: the same per scenario; `imbalance_vs_spec.svg`: the rows with a SPEC §9 figure.\n");
+    out.write_text("summary.md", &summary)?;
+    out.write_manifest(&Manifest::new(
+        "eplb",
+        &ctx.config.path,
+        &ctx.config.text,
+        seed,
+    ))?;
+    println!("{table}");
+    println!("wrote {}", ctx.out.display());
+    Ok(())
 }
