@@ -5,10 +5,10 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod consts;
+pub mod content;
 pub mod econ;
 pub mod engine;
 pub mod eplb;
-pub mod content;
 pub mod error;
 pub mod hit;
 pub mod ids;
