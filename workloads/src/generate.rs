@@ -30,6 +30,36 @@ pub struct WorkloadConfig {
     pub chat: Option<ChatConfig>,
     #[serde(default)]
     pub documents: Option<DocumentConfig>,
+    /// Daily load shape applied to every arrival process (absent = constant rate).
+    #[serde(default)]
+    pub diurnal: Option<Diurnal>,
+}
+
+/// A diurnal arrival rate: rate(t) = mean × (1 + amplitude × cos(2π (t − peak_at) / period)).
+/// The mean rate is the configured one; arrivals are drawn by thinning a Poisson process at the
+/// peak rate, so the count of sessions or requests stays as configured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Diurnal {
+    /// 0 = flat, 0.5 = peak 1.5× and trough 0.5× the mean.
+    pub amplitude: f64,
+    #[serde(default = "one_day")]
+    pub period: Nanos,
+    /// Time of the peak from the start of the trace.
+    #[serde(default)]
+    pub peak_at: Nanos,
+}
+
+fn one_day() -> Nanos {
+    Nanos::from_secs(86_400)
+}
+
+impl Diurnal {
+    /// Rate multiplier at `t_s` seconds.
+    pub fn factor(&self, t_s: f64) -> f64 {
+        let phase = (t_s - self.peak_at.as_secs_f64()) / self.period.as_secs_f64();
+        1.0 + self.amplitude * (std::f64::consts::TAU * phase).cos()
+    }
 }
 
 /// How long a turn occupies the service before its successor can be sent.
@@ -143,6 +173,20 @@ pub struct DocumentConfig {
 
 impl WorkloadConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(d) = &self.diurnal {
+            if !(0.0..1.0).contains(&d.amplitude) {
+                return Err(ConfigError::invalid(
+                    "workload.diurnal.amplitude",
+                    format!("{} is not in [0, 1)", d.amplitude),
+                ));
+            }
+            if d.period == Nanos::ZERO {
+                return Err(ConfigError::invalid(
+                    "workload.diurnal.period",
+                    "must be positive",
+                ));
+            }
+        }
         if let Some(a) = &self.agent {
             let f = |n: &str| format!("workload.agent.{n}");
             rate(a.session_rate_per_s, &f("session_rate_per_s"))?;
@@ -243,6 +287,7 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
             a,
             sub_seed(seed, "workload.agent"),
             block_tokens,
+            cfg.diurnal.as_ref(),
             &mut next_session,
             &mut drafts,
         );
@@ -252,6 +297,7 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
             c,
             sub_seed(seed, "workload.chat"),
             block_tokens,
+            cfg.diurnal.as_ref(),
             &mut next_session,
             &mut drafts,
         );
@@ -261,6 +307,7 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
             d,
             sub_seed(seed, "workload.documents"),
             block_tokens,
+            cfg.diurnal.as_ref(),
             &mut drafts,
         );
     }
@@ -283,18 +330,23 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
 }
 
 /// Session start times: a Poisson process from its own stream.
-fn poisson_starts(n: u32, rate_per_s: f64, seed: u64) -> Vec<f64> {
+fn poisson_starts(n: u32, rate_per_s: f64, seed: u64, diurnal: Option<&Diurnal>) -> Vec<f64> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let peak = 1.0 + diurnal.map_or(0.0, |d| d.amplitude);
     let exp = Dist::Exponential {
-        mean: 1.0 / rate_per_s,
+        mean: 1.0 / (rate_per_s * peak),
     };
     let mut t = 0.0;
-    (0..n)
-        .map(|_| {
-            t += exp.sample(&mut rng);
-            t
-        })
-        .collect()
+    let mut starts = Vec::with_capacity(n as usize);
+    while starts.len() < n as usize {
+        t += exp.sample(&mut rng);
+        // Thinning: keep a candidate with probability rate(t) / peak rate.
+        let keep = diurnal.is_none_or(|d| rng.random::<f64>() * peak < d.factor(t));
+        if keep {
+            starts.push(t);
+        }
+    }
+    starts
 }
 
 fn fresh(rng: &mut ChaCha8Rng) -> SegmentId {
@@ -335,8 +387,15 @@ fn system_segment(tag: &str, k: u64) -> SegmentId {
     SegmentId(hash2(sub_seed(0, tag), k))
 }
 
-fn gen_agent(c: &AgentConfig, seed: u64, bs: u32, next_session: &mut u64, out: &mut Vec<Draft>) {
-    let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5));
+fn gen_agent(
+    c: &AgentConfig,
+    seed: u64,
+    bs: u32,
+    diurnal: Option<&Diurnal>,
+    next_session: &mut u64,
+    out: &mut Vec<Draft>,
+) {
+    let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
     // System prompt lengths are a property of the prompt, not of the session.
     let mut sys_rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
     let sys_len: Vec<u32> = (0..c.system_prompts)
@@ -387,8 +446,15 @@ fn gen_agent(c: &AgentConfig, seed: u64, bs: u32, next_session: &mut u64, out: &
     }
 }
 
-fn gen_chat(c: &ChatConfig, seed: u64, bs: u32, next_session: &mut u64, out: &mut Vec<Draft>) {
-    let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5));
+fn gen_chat(
+    c: &ChatConfig,
+    seed: u64,
+    bs: u32,
+    diurnal: Option<&Diurnal>,
+    next_session: &mut u64,
+    out: &mut Vec<Draft>,
+) {
+    let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
     let mut sys_rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
     let sys_len: Vec<u32> = (0..c.system_prompts)
         .map(|_| c.system_prompt_tokens.tokens(&mut sys_rng, 1))
@@ -420,8 +486,14 @@ fn gen_chat(c: &ChatConfig, seed: u64, bs: u32, next_session: &mut u64, out: &mu
     }
 }
 
-fn gen_documents(c: &DocumentConfig, seed: u64, bs: u32, out: &mut Vec<Draft>) {
-    let starts = poisson_starts(c.requests, c.rate_per_s, hash2(seed, 0xa5));
+fn gen_documents(
+    c: &DocumentConfig,
+    seed: u64,
+    bs: u32,
+    diurnal: Option<&Diurnal>,
+    out: &mut Vec<Draft>,
+) {
+    let starts = poisson_starts(c.requests, c.rate_per_s, hash2(seed, 0xa5), diurnal);
     let mut sys_rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
     let sys_len: Vec<u32> = (0..c.system_prompts)
         .map(|_| c.system_prompt_tokens.tokens(&mut sys_rng, 1))
@@ -571,6 +643,7 @@ mod tests {
                 answer_tokens: fixed(300.0),
                 repeat_probability: 0.3,
             }),
+            diurnal: None,
         };
         let sig = |t: &Trace| {
             t.requests
@@ -593,6 +666,45 @@ mod tests {
         assert_ne!(sig(&a), sig(&c));
         assert_eq!(a.len(), 15 + 32 + 10);
         assert!(a.requests.windows(2).all(|w| w[0].arrival <= w[1].arrival));
+    }
+
+    #[test]
+    fn diurnal_thinning_follows_the_rate() {
+        let d = Diurnal {
+            amplitude: 0.8,
+            period: Nanos::from_secs(1000),
+            peak_at: Nanos::from_secs(250),
+        };
+        let starts = poisson_starts(20_000, 10.0, 3, Some(&d));
+        assert_eq!(starts.len(), 20_000);
+        // Mean rate preserved: 20,000 arrivals at 10/s take about 2,000 s.
+        let span = starts[starts.len() - 1];
+        assert!((1800.0..2200.0).contains(&span), "span {span}");
+        // Peak quarter (around 250 s mod 1000) holds far more than the trough (around 750 s).
+        let count = |lo: f64, hi: f64| {
+            starts
+                .iter()
+                .filter(|&&t| (lo..hi).contains(&(t % 1000.0)))
+                .count()
+        };
+        let (peak, trough) = (count(125.0, 375.0), count(625.0, 875.0));
+        assert!(
+            peak as f64 > 3.0 * trough as f64,
+            "peak {peak} trough {trough}"
+        );
+        let bad = WorkloadConfig {
+            diurnal: Some(Diurnal {
+                amplitude: 1.5,
+                ..d
+            }),
+            ..Default::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("amplitude")
+        );
     }
 
     #[test]
