@@ -60,7 +60,7 @@ fn bench(c: &mut Criterion) {
         "ExpertLoadModel::step decode EP64, 40 layers x 256 experts",
         |b| {
             b.iter(|| {
-                now = now + Nanos::from_millis(13);
+                now += Nanos::from_millis(13);
                 model.step(
                     now,
                     MoeBatch {

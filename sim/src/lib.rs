@@ -1,3 +1,10 @@
 //! servelab-sim: the trace-level replay and the discrete-event serving simulator.
 
+pub mod acceptance;
+pub mod cost;
+pub mod dspark;
+pub mod events;
+pub mod metrics;
+pub mod profile;
 pub mod replay;
+pub mod service;

@@ -23,7 +23,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
 /// Distinguishes an SWA-state object in the store from the block with the same prefix key.
-const SWA_OBJECT_TAG: u64 = 0x5_3a_57a7e;
+const SWA_OBJECT_TAG: u64 = 0x53a5_7a7f;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -40,8 +40,10 @@ pub fn run(args: Args) -> Result<()> {
     };
     match ctx.config.header.kind.as_str() {
         "cache-policy" => exp::cache_policy::run(&ctx),
+        "dspark" => exp::dspark::run(&ctx),
         "econ-sweep" => exp::econ::run(&ctx),
         "eplb" => exp::eplb::run(&ctx),
+        "service" => exp::service::run(&ctx),
         other => bail!(
             "{}: unknown experiment kind `{other}` (known: {})",
             ctx.config.path.display(),

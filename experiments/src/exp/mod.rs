@@ -4,10 +4,12 @@ use crate::config::LoadedConfig;
 use std::path::PathBuf;
 
 pub mod cache_policy;
+pub mod dspark;
 pub mod econ;
 pub mod eplb;
+pub mod service;
 
-pub const KINDS: &[&str] = &["cache-policy", "econ-sweep", "eplb"];
+pub const KINDS: &[&str] = &["cache-policy", "dspark", "econ-sweep", "eplb", "service"];
 
 pub struct RunContext {
     pub config: LoadedConfig,

@@ -1,0 +1,662 @@
+//! The decode side: an EP group of DP ranks stepping in lockstep with DSpark verification and
+//! async or synchronous scheduling, and the decode load balancer (SPEC §6, §10).
+//!
+//! Sequences live in per-rank slots that stay put while a step is in flight, so a plan built
+//! before the previous step's report (async scheduling) still names the right sequences; an
+//! outcome for a sequence that finished in the meantime is discarded (the wasted slot is the
+//! price of async scheduling, as the CPU does not yet know how many drafts were accepted).
+
+use crate::engine::dspark::{
+    BudgetInputs, ConfidenceHistogram, DecodeTimeModel, VerificationPolicy, choose_budget,
+};
+use crate::engine::plan::{DecodePlan, DecodeRankPlan, DecodeSeq, StepReport};
+use crate::engine::vote::GroupVote;
+use crate::error::ConfigError;
+use crate::ids::{EngineId, RequestId};
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+
+/// When the CPU prepares a step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scheduling {
+    /// Step N+1 is planned while step N runs, from what was known before N's report.
+    #[default]
+    Async,
+    /// Step N+1 is planned after N's report; the planning time sits between steps.
+    Sync,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeGroupConfig {
+    pub ranks: u32,
+    pub max_seqs_per_rank: u32,
+    /// KV tokens a rank may hold; a sequence reserves its whole context on admission (decode
+    /// is not capacity-bound and never offloads, SPEC §7).
+    pub kv_capacity_tokens_per_rank: u64,
+    /// Handed-off requests waiting for a slot, per rank.
+    pub max_waiting_per_rank: u32,
+    pub draft_tokens: u32,
+    pub verification: VerificationPolicy,
+    pub scheduling: Scheduling,
+    pub expert_imbalance: f64,
+}
+
+impl DecodeGroupConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |f: &str, why: &str| Err(ConfigError::invalid(format!("decode.{f}"), why));
+        if self.ranks == 0 {
+            return bad("ranks", "must be positive");
+        }
+        if self.max_seqs_per_rank == 0 {
+            return bad("max_seqs_per_rank", "must be positive");
+        }
+        if self.kv_capacity_tokens_per_rank == 0 {
+            return bad("kv_capacity_tokens_per_rank", "must be positive");
+        }
+        if self.draft_tokens > u32::from(u8::MAX) {
+            return bad("draft_tokens", "must be at most 255");
+        }
+        if !(self.expert_imbalance >= 1.0 && self.expert_imbalance.is_finite()) {
+            return bad(
+                "expert_imbalance",
+                "must be at least 1 (slowest rank / mean)",
+            );
+        }
+        self.verification.validate(self.draft_tokens)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Seq {
+    request: RequestId,
+    kv_tokens: u32,
+    /// Tokens still to emit.
+    remaining: u32,
+    /// KV reserved for the whole context.
+    reserved: u64,
+    done: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    request: RequestId,
+    kv_tokens: u32,
+    remaining: u32,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Rank {
+    slots: Vec<Option<Seq>>,
+    free: Vec<u32>,
+    active: u32,
+    reserved: u64,
+    kv_tokens: u64,
+    waiting: VecDeque<Waiting>,
+    waiting_kv: u64,
+    seen: ConfidenceHistogram,
+}
+
+/// What one sequence emitted in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqEmission {
+    pub request: RequestId,
+    pub tokens: u32,
+    pub finished: bool,
+}
+
+/// One EP group of decode ranks.
+#[derive(Clone, Debug)]
+pub struct DecodeGroup {
+    id: EngineId,
+    cfg: DecodeGroupConfig,
+    model: DecodeTimeModel,
+    ranks: Vec<Rank>,
+    vote: Option<GroupVote>,
+    wasted_slots: u64,
+}
+
+impl DecodeGroup {
+    pub fn new(
+        id: EngineId,
+        cfg: DecodeGroupConfig,
+        model: DecodeTimeModel,
+    ) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        model.validate("decode_model")?;
+        let vote = match &cfg.verification {
+            VerificationPolicy::Dynamic {
+                min_seqs_per_rank,
+                vote,
+                confirmation_rounds,
+            } => Some(GroupVote::new(
+                *vote,
+                *confirmation_rounds,
+                *min_seqs_per_rank == 0,
+            )),
+            VerificationPolicy::Fixed { .. } => None,
+        };
+        let ranks = (0..cfg.ranks)
+            .map(|_| Rank {
+                slots: Vec::new(),
+                free: Vec::new(),
+                ..Default::default()
+            })
+            .collect();
+        Ok(DecodeGroup {
+            id,
+            cfg,
+            model,
+            ranks,
+            vote,
+            wasted_slots: 0,
+        })
+    }
+
+    pub fn id(&self) -> EngineId {
+        self.id
+    }
+    pub fn config(&self) -> &DecodeGroupConfig {
+        &self.cfg
+    }
+    pub fn ranks(&self) -> u32 {
+        self.cfg.ranks
+    }
+    /// (sequences running or waiting, KV tokens reserved or waiting) of a rank: the balancer's view.
+    pub fn rank_load(&self, r: u32) -> (u32, u64) {
+        let k = &self.ranks[r as usize];
+        (k.active + k.waiting.len() as u32, k.reserved + k.waiting_kv)
+    }
+    /// (running sequences, KV tokens held) of a rank.
+    pub fn rank_occupancy(&self, r: u32) -> (u32, u64) {
+        let k = &self.ranks[r as usize];
+        (k.active, k.kv_tokens)
+    }
+    pub fn is_idle(&self) -> bool {
+        self.ranks
+            .iter()
+            .all(|r| r.active == 0 && r.waiting.is_empty())
+    }
+    pub fn sequences(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(|r| u64::from(r.active) + r.waiting.len() as u64)
+            .sum()
+    }
+    pub fn wasted_slots(&self) -> u64 {
+        self.wasted_slots
+    }
+    pub fn dynamic_active(&self) -> bool {
+        self.vote.as_ref().is_some_and(GroupVote::active)
+    }
+
+    /// Queues a handed-off request on rank `r`: `kv_tokens` of context so far, `remaining`
+    /// tokens to emit. A full waiting queue, or a context larger than a rank's KV, hands it back.
+    pub fn admit(
+        &mut self,
+        r: u32,
+        request: RequestId,
+        kv_tokens: u32,
+        remaining: u32,
+    ) -> Result<(), RequestId> {
+        let cap = self.cfg.max_waiting_per_rank as usize;
+        let too_big =
+            u64::from(kv_tokens) + u64::from(remaining) > self.cfg.kv_capacity_tokens_per_rank;
+        let rank = &mut self.ranks[r as usize];
+        if rank.waiting.len() >= cap || too_big {
+            return Err(request);
+        }
+        rank.waiting_kv += u64::from(kv_tokens) + u64::from(remaining);
+        rank.waiting.push_back(Waiting {
+            request,
+            kv_tokens,
+            remaining,
+        });
+        Ok(())
+    }
+
+    /// Builds the next step into `plan`. Releases finished sequences, admits waiting ones that
+    /// fit, votes on the verification mode and fixes each rank's budget. Returns false when no
+    /// rank has a sequence.
+    pub fn plan_step(&mut self, plan: &mut DecodePlan) -> bool {
+        plan.engine = self.id;
+        plan.ranks.clear();
+        plan.seqs.clear();
+        plan.expert_imbalance = self.cfg.expert_imbalance;
+        let max = self.cfg.max_seqs_per_rank;
+        let cap = self.cfg.kv_capacity_tokens_per_rank;
+        let mut yes = 0;
+        for rank in &mut self.ranks {
+            for i in 0..rank.slots.len() {
+                if let Some(s) = rank.slots[i]
+                    && s.done
+                {
+                    rank.slots[i] = None;
+                    rank.free.push(i as u32);
+                    rank.active -= 1;
+                    rank.reserved -= s.reserved;
+                    rank.kv_tokens -= u64::from(s.kv_tokens);
+                }
+            }
+            while rank.active < max {
+                let Some(w) = rank.waiting.front().copied() else {
+                    break;
+                };
+                let need = u64::from(w.kv_tokens) + u64::from(w.remaining);
+                if rank.reserved + need > cap {
+                    break;
+                }
+                rank.waiting.pop_front();
+                rank.waiting_kv -= need;
+                let seq = Seq {
+                    request: w.request,
+                    kv_tokens: w.kv_tokens,
+                    remaining: w.remaining,
+                    reserved: need,
+                    done: false,
+                };
+                match rank.free.pop() {
+                    Some(i) => rank.slots[i as usize] = Some(seq),
+                    None => rank.slots.push(Some(seq)),
+                }
+                rank.active += 1;
+                rank.reserved += need;
+                rank.kv_tokens += u64::from(w.kv_tokens);
+            }
+            if let VerificationPolicy::Dynamic {
+                min_seqs_per_rank, ..
+            } = self.cfg.verification
+                && rank.active >= min_seqs_per_rank
+            {
+                yes += 1;
+            }
+        }
+        let dynamic = match &mut self.vote {
+            Some(v) => v.round(yes, self.cfg.ranks),
+            None => false,
+        };
+        let per_seq_drafts = match self.cfg.verification {
+            VerificationPolicy::Fixed { drafts } => drafts,
+            VerificationPolicy::Dynamic { .. } => self.cfg.draft_tokens,
+        };
+        plan.dynamic = dynamic;
+        for rank in &self.ranks {
+            let start = plan.seqs.len() as u32;
+            let mut max_total = 0u32;
+            for (i, s) in rank.slots.iter().enumerate() {
+                if let Some(s) = s {
+                    if s.done {
+                        continue;
+                    }
+                    let d = per_seq_drafts.min(s.remaining.saturating_sub(1));
+                    max_total += d;
+                    plan.seqs.push(DecodeSeq {
+                        request: s.request,
+                        kv_tokens: s.kv_tokens,
+                        max_drafts: d,
+                        slot: i as u32,
+                    });
+                }
+            }
+            let end = plan.seqs.len() as u32;
+            let budget = if dynamic {
+                let at = BudgetInputs {
+                    seqs: end - start,
+                    kv_tokens: rank.kv_tokens,
+                    max_drafts: max_total,
+                    imbalance: self.cfg.expert_imbalance,
+                };
+                choose_budget(&self.model, &rank.seen, at)
+            } else {
+                max_total
+            };
+            plan.ranks.push(DecodeRankPlan {
+                seq_start: start,
+                seq_end: end,
+                verify_budget: budget,
+            });
+        }
+        !plan.seqs.is_empty()
+    }
+
+    /// Applies a step's report: each live sequence emits its accepted drafts plus one token.
+    /// Emissions go to `out` (cleared first).
+    pub fn apply_report(
+        &mut self,
+        plan: &DecodePlan,
+        report: &StepReport,
+        out: &mut Vec<SeqEmission>,
+    ) {
+        out.clear();
+        for (r, rp) in plan.ranks.iter().enumerate() {
+            let rank = &mut self.ranks[r];
+            if let Some(o) = report.ranks.get(r)
+                && o.confidence.seqs > 0
+            {
+                rank.seen.clone_from(&o.confidence);
+            }
+            for i in rp.seq_start as usize..rp.seq_end as usize {
+                let e = plan.seqs[i];
+                let outcome = report.seqs.get(i).copied().unwrap_or_default();
+                let slot = rank.slots.get_mut(e.slot as usize).and_then(Option::as_mut);
+                let Some(s) = slot.filter(|s| s.request == e.request && !s.done) else {
+                    self.wasted_slots += 1;
+                    continue;
+                };
+                let tokens = (u32::from(outcome.accepted) + 1).min(s.remaining);
+                s.remaining -= tokens;
+                s.kv_tokens += tokens;
+                rank.kv_tokens += u64::from(tokens);
+                s.done = s.remaining == 0;
+                out.push(SeqEmission {
+                    request: e.request,
+                    tokens,
+                    finished: s.done,
+                });
+            }
+        }
+    }
+
+    /// KV and slot accounting agrees with the sequences held, and no rank exceeds its limits.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        for (i, r) in self.ranks.iter().enumerate() {
+            let live: Vec<&Seq> = r.slots.iter().flatten().collect();
+            if live.len() as u32 != r.active || live.len() + r.free.len() != r.slots.len() {
+                return Err(format!("decode rank {i}: slots not conserved"));
+            }
+            if r.active > self.cfg.max_seqs_per_rank {
+                return Err(format!(
+                    "decode rank {i}: {} sequences over the limit",
+                    r.active
+                ));
+            }
+            let kv: u64 = live.iter().map(|s| u64::from(s.kv_tokens)).sum();
+            let reserved: u64 = live.iter().map(|s| s.reserved).sum();
+            if kv != r.kv_tokens || reserved != r.reserved || kv > reserved {
+                return Err(format!(
+                    "decode rank {i}: KV accounting drifted ({kv} held, {} counted)",
+                    r.kv_tokens
+                ));
+            }
+            let waiting: u64 = r
+                .waiting
+                .iter()
+                .map(|w| u64::from(w.kv_tokens) + u64::from(w.remaining))
+                .sum();
+            if waiting != r.waiting_kv || r.waiting.len() > self.cfg.max_waiting_per_rank as usize {
+                return Err(format!("decode rank {i}: waiting queue accounting drifted"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How the decode balancer picks a rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DecodeLbPolicy {
+    /// Request count and KV length together (DualPath): the rank minimising the larger of its
+    /// two utilisations after placement, so short requests go where requests are few and long
+    /// ones where KV is short. Ties: smaller sum, then lower rank.
+    #[default]
+    CountAndKv,
+    RoundRobin,
+    /// Fewest sequences (ties: lower rank).
+    LeastLoaded,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct DecodeBalancer {
+    policy: DecodeLbPolicy,
+    rr: u64,
+}
+
+impl DecodeBalancer {
+    pub fn new(policy: DecodeLbPolicy) -> Self {
+        DecodeBalancer { policy, rr: 0 }
+    }
+
+    /// Picks (group index, rank) for a request of `context_tokens` (prompt + output).
+    pub fn pick(&mut self, groups: &[DecodeGroup], context_tokens: u64) -> (usize, u32) {
+        let total: u64 = groups.iter().map(|g| u64::from(g.ranks())).sum();
+        let flat = |mut i: u64| {
+            for (gi, g) in groups.iter().enumerate() {
+                if i < u64::from(g.ranks()) {
+                    return (gi, i as u32);
+                }
+                i -= u64::from(g.ranks());
+            }
+            (0, 0)
+        };
+        match self.policy {
+            DecodeLbPolicy::RoundRobin => {
+                let i = self.rr % total.max(1);
+                self.rr += 1;
+                flat(i)
+            }
+            DecodeLbPolicy::LeastLoaded => {
+                let mut best = ((u32::MAX, 0usize, 0u32), (0, 0));
+                for (gi, g) in groups.iter().enumerate() {
+                    for r in 0..g.ranks() {
+                        let key = (g.rank_load(r).0, gi, r);
+                        if key < best.0 {
+                            best = (key, (gi, r));
+                        }
+                    }
+                }
+                best.1
+            }
+            DecodeLbPolicy::CountAndKv => {
+                let mut best: Option<(f64, f64, (usize, u32))> = None;
+                for (gi, g) in groups.iter().enumerate() {
+                    let c = g.config();
+                    for r in 0..g.ranks() {
+                        let (n, kv) = g.rank_load(r);
+                        let a = f64::from(n + 1) / f64::from(c.max_seqs_per_rank);
+                        let b = (kv + context_tokens) as f64 / c.kv_capacity_tokens_per_rank as f64;
+                        let (hi, sum) = (a.max(b), a + b);
+                        if best.is_none_or(|(bh, bs, _)| hi < bh || (hi == bh && sum < bs)) {
+                            best = Some((hi, sum, (gi, r)));
+                        }
+                    }
+                }
+                best.map(|b| b.2).unwrap_or((0, 0))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::plan::{RankOutcome, SeqOutcome};
+    use crate::engine::vote::VoteMode;
+
+    fn model() -> DecodeTimeModel {
+        DecodeTimeModel {
+            base_ns: 1000.0,
+            per_seq_ns: 0.0,
+            per_kv_token_ns: 0.0,
+            per_token_ns: 100.0,
+            per_token_sq_ns: 0.0,
+            dynamic_overhead_ns: 0.0,
+            moe_share: 0.0,
+            reference_imbalance: 1.0,
+        }
+    }
+    fn cfg(
+        ranks: u32,
+        verification: VerificationPolicy,
+        scheduling: Scheduling,
+    ) -> DecodeGroupConfig {
+        DecodeGroupConfig {
+            ranks,
+            max_seqs_per_rank: 2,
+            kv_capacity_tokens_per_rank: 1000,
+            max_waiting_per_rank: 4,
+            draft_tokens: 5,
+            verification,
+            scheduling,
+            expert_imbalance: 1.0,
+        }
+    }
+    fn empty() -> DecodePlan {
+        DecodePlan {
+            engine: EngineId(0),
+            ranks: vec![],
+            seqs: vec![],
+            dynamic: false,
+            expert_imbalance: 1.0,
+        }
+    }
+    fn report(plan: &DecodePlan, accepted: u8) -> StepReport {
+        StepReport {
+            duration: crate::time::Nanos(1),
+            seqs: plan
+                .seqs
+                .iter()
+                .map(|s| SeqOutcome {
+                    verified: s.max_drafts as u8,
+                    accepted: accepted.min(s.max_drafts as u8),
+                })
+                .collect(),
+            ranks: plan.ranks.iter().map(|_| RankOutcome::default()).collect(),
+        }
+    }
+
+    #[test]
+    fn fixed_verification_emits_until_done() {
+        let mut g = DecodeGroup::new(
+            EngineId(0),
+            cfg(1, VerificationPolicy::Fixed { drafts: 5 }, Scheduling::Sync),
+            model(),
+        )
+        .unwrap();
+        g.admit(0, RequestId(7), 100, 10).unwrap();
+        let mut p = empty();
+        let mut out = vec![];
+        assert!(g.plan_step(&mut p));
+        assert_eq!(p.seqs[0].max_drafts, 5);
+        assert_eq!(p.ranks[0].verify_budget, 5);
+        g.apply_report(&p, &report(&p, 3), &mut out);
+        assert_eq!(
+            out,
+            vec![SeqEmission {
+                request: RequestId(7),
+                tokens: 4,
+                finished: false
+            }]
+        );
+        assert_eq!(g.rank_occupancy(0), (1, 104));
+        // 6 left: drafts capped at 5, 4 accepted + 1 = 5, then 1 left: no drafts.
+        g.plan_step(&mut p);
+        g.apply_report(&p, &report(&p, 4), &mut out);
+        g.plan_step(&mut p);
+        assert_eq!(p.seqs[0].max_drafts, 0);
+        g.apply_report(&p, &report(&p, 0), &mut out);
+        assert!(out[0].finished);
+        assert!(!g.plan_step(&mut p));
+        assert!(g.is_idle());
+        g.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn async_plan_discards_finished_sequence() {
+        let mut g = DecodeGroup::new(
+            EngineId(0),
+            cfg(
+                1,
+                VerificationPolicy::Fixed { drafts: 5 },
+                Scheduling::Async,
+            ),
+            model(),
+        )
+        .unwrap();
+        g.admit(0, RequestId(1), 10, 2).unwrap();
+        let (mut p1, mut p2, mut out) = (empty(), empty(), vec![]);
+        g.plan_step(&mut p1);
+        g.plan_step(&mut p2); // planned before step 1 reports
+        g.apply_report(&p1, &report(&p1, 1), &mut out);
+        assert!(out[0].finished);
+        g.apply_report(&p2, &report(&p2, 1), &mut out);
+        assert!(out.is_empty());
+        assert_eq!(g.wasted_slots(), 1);
+        g.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn admission_respects_slots_and_kv() {
+        let mut g = DecodeGroup::new(
+            EngineId(0),
+            cfg(1, VerificationPolicy::Fixed { drafts: 5 }, Scheduling::Sync),
+            model(),
+        )
+        .unwrap();
+        g.admit(0, RequestId(1), 500, 100).unwrap();
+        g.admit(0, RequestId(2), 500, 100).unwrap(); // 1200 > 1000: waits
+        g.admit(0, RequestId(3), 1, 1).unwrap();
+        g.admit(0, RequestId(4), 1, 1).unwrap();
+        assert_eq!(g.admit(0, RequestId(5), 1, 1), Err(RequestId(5)));
+        let mut p = empty();
+        g.plan_step(&mut p);
+        assert_eq!(p.seqs.len(), 1);
+        assert_eq!(g.rank_load(0), (4, 600 + 600 + 4));
+        g.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn vote_gates_dynamic_mode() {
+        let pol = VerificationPolicy::Dynamic {
+            min_seqs_per_rank: 1,
+            vote: VoteMode::All,
+            confirmation_rounds: 0,
+        };
+        let mut g = DecodeGroup::new(EngineId(0), cfg(2, pol, Scheduling::Sync), model()).unwrap();
+        g.admit(0, RequestId(1), 10, 100).unwrap();
+        let mut p = empty();
+        g.plan_step(&mut p);
+        assert!(!p.dynamic, "rank 1 is empty: mode A waits for every rank");
+        g.admit(1, RequestId(2), 10, 100).unwrap();
+        g.plan_step(&mut p);
+        assert!(p.dynamic);
+        // Without history the budget is everything.
+        assert_eq!(p.ranks[0].verify_budget, 5);
+    }
+
+    #[test]
+    fn count_and_kv_balancer_sends_long_requests_to_short_kv() {
+        let mut g = DecodeGroup::new(
+            EngineId(0),
+            DecodeGroupConfig {
+                max_seqs_per_rank: 10,
+                ..cfg(2, VerificationPolicy::Fixed { drafts: 5 }, Scheduling::Sync)
+            },
+            model(),
+        )
+        .unwrap();
+        // Rank 0: 1 request with much KV. Rank 1: 3 short requests.
+        g.admit(0, RequestId(1), 300, 0).unwrap();
+        for i in 0..3 {
+            g.admit(1, RequestId(10 + i), 10, 0).unwrap();
+        }
+        let groups = [g];
+        let mut b = DecodeBalancer::new(DecodeLbPolicy::CountAndKv);
+        // Short request: rank 0 → max(0.2, 0.31) = 0.31; rank 1 → max(0.4, 0.04) = 0.4: it
+        // goes to the rank with few requests but much KV.
+        assert_eq!(b.pick(&groups, 10), (0, 0));
+        // Long request: rank 0 → max(0.2, 0.8); rank 1 → max(0.4, 0.53): the rank with little KV.
+        assert_eq!(b.pick(&groups, 500), (0, 1));
+        let mut ll = DecodeBalancer::new(DecodeLbPolicy::LeastLoaded);
+        assert_eq!(ll.pick(&groups, 10), (0, 0));
+        let mut rr = DecodeBalancer::new(DecodeLbPolicy::RoundRobin);
+        assert_eq!(
+            (
+                rr.pick(&groups, 1),
+                rr.pick(&groups, 1),
+                rr.pick(&groups, 1)
+            ),
+            ((0, 0), (0, 1), (0, 0))
+        );
+    }
+}

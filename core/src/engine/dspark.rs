@@ -1,0 +1,362 @@
+//! DSpark verification (SPEC §10): which drafts a decode step verifies.
+//!
+//! The draft module proposes `D` tokens per sequence and a confidence head predicts each one's
+//! acceptance probability given the ones before it. The expected return of verifying drafts
+//! `1..=j` of a sequence is the cumulative product of its confidences up to `j`, which falls
+//! with `j`; sorting every draft of a rank by that product and verifying the top `V` therefore
+//! verifies a prefix of each sequence. The CPU scheduler cannot see step N's confidences when it
+//! plans step N+1, so it fixes only the rank's total `V` from confidences it has seen
+//! ([`choose_budget`]); the backend splits `V` per sequence with this step's confidences
+//! ([`split_budget`], the GPU kernel: cumulative product, global sort, scatter).
+
+use crate::engine::vote::VoteMode;
+use crate::error::ConfigError;
+use serde::{Deserialize, Serialize};
+
+/// Bins of a [`ConfidenceHistogram`] over the cumulative-product range [0, 1].
+pub const CONFIDENCE_BINS: usize = 64;
+
+/// How a decode group chooses how many drafts to verify.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum VerificationPolicy {
+    /// Verify `drafts` drafts of every sequence (5 = everything DSpark drafts).
+    Fixed { drafts: u32 },
+    /// Budget per rank maximising expected throughput, split per sequence by confidence.
+    /// The group switches to it only while the in-group vote passes: a rank votes yes when it
+    /// holds at least `min_seqs_per_rank` sequences (below that, verification is nearly free
+    /// and dynamic mode loses accepted tokens). `min_seqs_per_rank = 0` means always dynamic.
+    Dynamic {
+        #[serde(default)]
+        min_seqs_per_rank: u32,
+        #[serde(default)]
+        vote: VoteMode,
+        /// Extra consecutive rounds a switch must be confirmed in (SPEC §6: a second round).
+        #[serde(default = "one")]
+        confirmation_rounds: u32,
+    },
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl VerificationPolicy {
+    pub fn validate(&self, draft_tokens: u32) -> Result<(), ConfigError> {
+        match self {
+            VerificationPolicy::Fixed { drafts } if *drafts > draft_tokens => {
+                Err(ConfigError::invalid(
+                    "verification.drafts",
+                    format!(
+                        "{drafts} is more than the {draft_tokens} tokens DSpark drafts per step"
+                    ),
+                ))
+            }
+            VerificationPolicy::Dynamic { vote, .. } => vote.validate(),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The step-time model of a decode rank: what the scheduler predicts (and, in the simulator,
+/// what the cost model charges). Token terms cover every verified position plus the one token
+/// each sequence always emits; the quadratic term is the MoE GEMMs leaving the memory-bound
+/// regime as the step grows.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeTimeModel {
+    /// Fixed cost of a step (weights, all-to-all latency, launch).
+    pub base_ns: f64,
+    /// Per sequence (draft module, sampling, bookkeeping).
+    pub per_seq_ns: f64,
+    /// Per KV token attended, summed over sequences (attention reads the whole KV once).
+    pub per_kv_token_ns: f64,
+    /// Per query token (1 + verified drafts per sequence).
+    pub per_token_ns: f64,
+    /// Per query token squared.
+    pub per_token_sq_ns: f64,
+    /// The split-and-sort kernel dynamic verification adds to a step.
+    pub dynamic_overhead_ns: f64,
+    /// Share of the token terms spent in MoE layers, scaled by the expert imbalance.
+    pub moe_share: f64,
+    /// Imbalance the profile was measured at (SPEC §9: 1.09 for EP64 decode).
+    pub reference_imbalance: f64,
+}
+
+impl DecodeTimeModel {
+    /// Predicted step time of one rank, nanoseconds.
+    pub fn predict_ns(
+        &self,
+        seqs: u32,
+        kv_tokens: u64,
+        query_tokens: u32,
+        dynamic: bool,
+        imbalance: f64,
+    ) -> f64 {
+        if seqs == 0 {
+            return 0.0;
+        }
+        let n = f64::from(query_tokens);
+        let token = self.per_token_ns * n + self.per_token_sq_ns * n * n;
+        let scale = 1.0 - self.moe_share + self.moe_share * imbalance / self.reference_imbalance;
+        self.base_ns
+            + self.per_seq_ns * f64::from(seqs)
+            + self.per_kv_token_ns * kv_tokens as f64
+            + token * scale
+            + if dynamic {
+                self.dynamic_overhead_ns
+            } else {
+                0.0
+            }
+    }
+
+    pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("base_ns", self.base_ns),
+            ("per_seq_ns", self.per_seq_ns),
+            ("per_kv_token_ns", self.per_kv_token_ns),
+            ("per_token_ns", self.per_token_ns),
+            ("per_token_sq_ns", self.per_token_sq_ns),
+            ("dynamic_overhead_ns", self.dynamic_overhead_ns),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.{name}"),
+                    format!("{v} must be a finite non-negative number"),
+                ));
+            }
+        }
+        if self.base_ns + self.per_seq_ns + self.per_token_ns <= 0.0 {
+            return Err(ConfigError::invalid(
+                format!("{field}.base_ns"),
+                "a step must take some time",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.moe_share) {
+            return Err(ConfigError::invalid(
+                format!("{field}.moe_share"),
+                "must lie in [0, 1]",
+            ));
+        }
+        if !(self.reference_imbalance >= 1.0 && self.reference_imbalance.is_finite()) {
+            return Err(ConfigError::invalid(
+                format!("{field}.reference_imbalance"),
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The cumulative-product confidences of one rank's drafts, binned: what a step reports so a
+/// later step's budget can be fixed without seeing that step's own confidences.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ConfidenceHistogram {
+    /// Sequences the histogram was taken over.
+    pub seqs: u32,
+    pub count: Vec<u32>,
+    /// Sum of the cumulative products in each bin (the expected accepted drafts they carry).
+    pub sum: Vec<f64>,
+}
+
+impl Default for ConfidenceHistogram {
+    fn default() -> Self {
+        ConfidenceHistogram {
+            seqs: 0,
+            count: vec![0; CONFIDENCE_BINS],
+            sum: vec![0.0; CONFIDENCE_BINS],
+        }
+    }
+}
+
+impl ConfidenceHistogram {
+    pub fn clear(&mut self) {
+        self.seqs = 0;
+        self.count.iter_mut().for_each(|c| *c = 0);
+        self.sum.iter_mut().for_each(|s| *s = 0.0);
+    }
+    pub fn bin(cumprod: f64) -> usize {
+        ((cumprod.clamp(0.0, 1.0) * CONFIDENCE_BINS as f64) as usize).min(CONFIDENCE_BINS - 1)
+    }
+    /// Adds `times` sequences whose drafts have these cumulative products.
+    pub fn add(&mut self, cumprods: &[f64], times: u32) {
+        self.seqs += times;
+        for &c in cumprods {
+            let b = Self::bin(c);
+            self.count[b] += times;
+            self.sum[b] += c * f64::from(times);
+        }
+    }
+}
+
+/// Inputs of [`choose_budget`] for one rank.
+#[derive(Clone, Copy, Debug)]
+pub struct BudgetInputs {
+    pub seqs: u32,
+    pub kv_tokens: u64,
+    /// Sum of the sequences' `max_drafts`: the budget never exceeds it.
+    pub max_drafts: u32,
+    pub imbalance: f64,
+}
+
+/// The rank budget maximising expected tokens per second, judged on `seen` (confidences of an
+/// earlier step, rescaled to this batch). With no history it verifies everything.
+pub fn choose_budget(model: &DecodeTimeModel, seen: &ConfidenceHistogram, at: BudgetInputs) -> u32 {
+    if seen.seqs == 0 || at.seqs == 0 {
+        return at.max_drafts;
+    }
+    let scale = f64::from(at.seqs) / f64::from(seen.seqs);
+    let rate = |drafts: f64, expected: f64| {
+        let q = at.seqs + drafts.round() as u32;
+        (f64::from(at.seqs) + expected)
+            / model.predict_ns(at.seqs, at.kv_tokens, q, true, at.imbalance)
+    };
+    let mut best = (rate(0.0, 0.0), 0.0);
+    let (mut drafts, mut expected) = (0.0, 0.0);
+    for b in (0..CONFIDENCE_BINS).rev() {
+        if seen.count[b] == 0 {
+            continue;
+        }
+        drafts += f64::from(seen.count[b]) * scale;
+        expected += seen.sum[b] * scale;
+        let r = rate(drafts, expected);
+        if r > best.0 {
+            best = (r, drafts);
+        }
+    }
+    (best.1.round() as u32).min(at.max_drafts)
+}
+
+/// The split kernel: verify the `budget` drafts with the highest cumulative confidence. `conf`
+/// holds each sequence's `draft_tokens` per-position confidences (conditional on the earlier
+/// drafts being accepted); `max_drafts[s]` limits sequence `s`; the lengths go to `lens`. Ties
+/// go to the lower sequence, then the earlier position, so every sequence gets a prefix.
+pub fn split_budget(
+    conf: &[f64],
+    draft_tokens: usize,
+    max_drafts: &[u32],
+    budget: u32,
+    lens: &mut [u8],
+) {
+    let seqs = max_drafts.len();
+    debug_assert_eq!(conf.len(), seqs * draft_tokens);
+    let mut items: Vec<(f64, usize, usize)> = Vec::with_capacity(seqs * draft_tokens);
+    for s in 0..seqs {
+        let mut cp = 1.0;
+        for p in 0..(max_drafts[s] as usize).min(draft_tokens) {
+            cp *= conf[s * draft_tokens + p];
+            items.push((cp, s, p));
+        }
+    }
+    items.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    lens[..seqs].iter_mut().for_each(|l| *l = 0);
+    for &(_, s, p) in items.iter().take(budget as usize) {
+        lens[s] = lens[s].max(p as u8 + 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> DecodeTimeModel {
+        DecodeTimeModel {
+            base_ns: 1000.0,
+            per_seq_ns: 0.0,
+            per_kv_token_ns: 0.0,
+            per_token_ns: 100.0,
+            per_token_sq_ns: 0.0,
+            dynamic_overhead_ns: 0.0,
+            moe_share: 0.0,
+            reference_imbalance: 1.0,
+        }
+    }
+
+    #[test]
+    fn split_takes_top_cumulative_products() {
+        // Seq 0: 0.9, 0.9·0.9 = 0.81, 0.81·0.1 = 0.081. Seq 1: 0.5, 0.25, 0.125.
+        let conf = [0.9, 0.9, 0.1, 0.5, 0.5, 0.5];
+        let mut lens = [0u8; 2];
+        split_budget(&conf, 3, &[3, 3], 3, &mut lens);
+        assert_eq!(lens, [2, 1]); // 0.9, 0.81, 0.5
+        split_budget(&conf, 3, &[3, 3], 5, &mut lens);
+        assert_eq!(lens, [2, 3]); // + 0.25, 0.125 beat 0.081
+        split_budget(&conf, 3, &[1, 3], 6, &mut lens);
+        assert_eq!(lens, [1, 3]); // seq 0 is capped at 1 draft
+    }
+
+    #[test]
+    fn split_gives_prefixes_and_ties_go_to_lower_seq() {
+        let conf = [1.0, 1.0, 1.0, 1.0];
+        let mut lens = [0u8; 2];
+        split_budget(&conf, 2, &[2, 2], 3, &mut lens);
+        assert_eq!(lens, [2, 1]);
+    }
+
+    #[test]
+    fn budget_golden() {
+        // One sequence; step = 1000 + 100 × (1 + v) ns. Drafts with cumulative products 0.9
+        // and 0.05: rate(0) = 1/1100, rate(1) = 1.9/1200 = 1/631, rate(2) = 1.95/1300 = 1/667.
+        let mut h = ConfidenceHistogram::default();
+        h.add(&[0.9, 0.05], 1);
+        let at = BudgetInputs {
+            seqs: 1,
+            kv_tokens: 0,
+            max_drafts: 2,
+            imbalance: 1.0,
+        };
+        assert_eq!(choose_budget(&model(), &h, at), 1);
+        // With free verification everything is verified.
+        let free = DecodeTimeModel {
+            per_token_ns: 0.0,
+            ..model()
+        };
+        assert_eq!(choose_budget(&free, &h, at), 2);
+        // Without history: everything.
+        assert_eq!(
+            choose_budget(&model(), &ConfidenceHistogram::default(), at),
+            2
+        );
+    }
+
+    #[test]
+    fn budget_rescales_history_to_the_batch() {
+        let mut h = ConfidenceHistogram::default();
+        h.add(&[0.99, 0.98, 0.97, 0.001, 0.0005], 10);
+        let at = BudgetInputs {
+            seqs: 20,
+            kv_tokens: 0,
+            max_drafts: 100,
+            imbalance: 1.0,
+        };
+        assert_eq!(choose_budget(&model(), &h, at), 60);
+    }
+
+    #[test]
+    fn imbalance_scales_moe_share_only() {
+        let m = DecodeTimeModel {
+            moe_share: 0.5,
+            reference_imbalance: 1.0,
+            ..model()
+        };
+        // token part = 100 × 10 = 1000; half of it doubles at imbalance 2.
+        assert_eq!(m.predict_ns(1, 0, 10, false, 1.0), 2000.0);
+        assert_eq!(m.predict_ns(1, 0, 10, false, 2.0), 2500.0);
+        assert_eq!(m.predict_ns(0, 0, 0, false, 1.0), 0.0);
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        let bad = DecodeTimeModel {
+            per_token_ns: f64::NAN,
+            ..model()
+        };
+        assert!(
+            bad.validate("decode")
+                .unwrap_err()
+                .to_string()
+                .contains("decode.per_token_ns")
+        );
+        assert!(VerificationPolicy::Fixed { drafts: 6 }.validate(5).is_err());
+    }
+}

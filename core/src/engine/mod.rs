@@ -1,0 +1,26 @@
+//! Sans-IO engine state machines, the step plans they emit and the [`Backend`] that runs them.
+//!
+//! The prefill and decode engines and the balancers never execute anything and never read a
+//! clock: an engine is asked for a [`StepPlan`] at `now`, something executes it (the simulator's
+//! cost model, or the GPU engine), and the engine consumes the [`StepReport`] that comes back.
+//! The simulator and the GPU engine differ only in the [`Backend`] and in where `now` comes from
+//! (SPEC §16), so the same plans can be compared plan by plan.
+
+pub mod decode;
+pub mod dspark;
+pub mod plan;
+pub mod prefill;
+pub mod prefill_lb;
+pub mod vote;
+
+pub use decode::{
+    DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy, Scheduling, SeqEmission,
+};
+pub use dspark::{ConfidenceHistogram, DecodeTimeModel, VerificationPolicy};
+pub use plan::{
+    Backend, DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk, PrefillPlan, RankOutcome,
+    SeqOutcome, StepPlan, StepReport,
+};
+pub use prefill::{ChunkPolicy, PrefillCostModel, PrefillEngine, PrefillJob};
+pub use prefill_lb::{PrefillBalancer, PrefillLbPolicy, QueuedPrefill};
+pub use vote::{GroupVote, VoteMode};

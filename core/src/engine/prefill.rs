@@ -1,0 +1,508 @@
+//! The prefill engine (one DP rank) and its chunk scheduler (SPEC §6).
+//!
+//! The scheduler predicts a step's time with a fitted quadratic model — linear in the new tokens,
+//! plus attention to the prefix already computed — and fills each step with the largest chunks
+//! that fit both a token budget (32,768) and a time budget. The simpler alternative cuts
+//! fixed-size chunks by token count alone.
+
+use crate::engine::plan::{PrefillChunk, PrefillPlan};
+use crate::error::ConfigError;
+use crate::ids::{EngineId, RequestId};
+use crate::time::Nanos;
+use serde::{Deserialize, Serialize};
+use std::collections::VecDeque;
+
+/// Predicted prefill step time: `base + Σ layers × (a·n + b·n·(p + n/2))` over the chunks, the
+/// token terms scaled by the expert imbalance on their MoE share.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillCostModel {
+    pub base_ns: f64,
+    /// Per token per layer (projections, MoE).
+    pub per_layer_token_ns: f64,
+    /// Per token per layer per token of context it attends to.
+    pub per_layer_token_ctx_ns: f64,
+    pub moe_share: f64,
+    /// Imbalance the profile was measured at (SPEC §9: 1.074 at EP4/DP4).
+    pub reference_imbalance: f64,
+}
+
+impl PrefillCostModel {
+    /// Compute of one chunk, without the step's base cost.
+    pub fn chunk_ns(&self, c: &PrefillChunk, imbalance: f64) -> f64 {
+        let n = f64::from(c.new_tokens);
+        let p = f64::from(c.prefix_tokens);
+        let r = f64::from(c.decoder_tokens);
+        let enc = f64::from(c.new_token_layers)
+            * (self.per_layer_token_ns * n + self.per_layer_token_ctx_ns * n * (p + n / 2.0));
+        // The decoder replay attends only inside the replayed segment (bounded replay).
+        let dec = f64::from(c.decoder_layers)
+            * (self.per_layer_token_ns * r + self.per_layer_token_ctx_ns * r * r / 2.0);
+        let scale = 1.0 - self.moe_share + self.moe_share * imbalance / self.reference_imbalance;
+        (enc + dec) * scale
+    }
+
+    pub fn step_ns(&self, chunks: &[PrefillChunk], imbalance: f64) -> f64 {
+        if chunks.is_empty() {
+            return 0.0;
+        }
+        self.base_ns
+            + chunks
+                .iter()
+                .map(|c| self.chunk_ns(c, imbalance))
+                .sum::<f64>()
+    }
+
+    pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("base_ns", self.base_ns),
+            ("per_layer_token_ns", self.per_layer_token_ns),
+            ("per_layer_token_ctx_ns", self.per_layer_token_ctx_ns),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ConfigError::invalid(
+                    format!("{field}.{name}"),
+                    format!("{v} must be a finite non-negative number"),
+                ));
+            }
+        }
+        if self.per_layer_token_ns <= 0.0 {
+            return Err(ConfigError::invalid(
+                format!("{field}.per_layer_token_ns"),
+                "must be positive",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.moe_share) {
+            return Err(ConfigError::invalid(
+                format!("{field}.moe_share"),
+                "must lie in [0, 1]",
+            ));
+        }
+        if !(self.reference_imbalance >= 1.0 && self.reference_imbalance.is_finite()) {
+            return Err(ConfigError::invalid(
+                format!("{field}.reference_imbalance"),
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How a prefill step is cut into chunks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum ChunkPolicy {
+    /// DeepInfer: largest chunks within `token_budget` whose predicted step time stays within
+    /// `time_budget`. A step that cannot fit even `min_chunk_tokens` of its first request
+    /// takes that much anyway, so every step makes progress.
+    TimeBudgeted {
+        token_budget: u32,
+        time_budget: Nanos,
+        min_chunk_tokens: u32,
+    },
+    /// Token count only: up to `chunk_tokens` per step, whatever the prefixes cost.
+    FixedSize { chunk_tokens: u32 },
+}
+
+impl ChunkPolicy {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match self {
+            ChunkPolicy::TimeBudgeted {
+                token_budget,
+                time_budget,
+                min_chunk_tokens,
+            } => {
+                if *token_budget == 0 {
+                    return Err(ConfigError::invalid(
+                        "chunking.token_budget",
+                        "must be positive",
+                    ));
+                }
+                if *time_budget == Nanos::ZERO {
+                    return Err(ConfigError::invalid(
+                        "chunking.time_budget",
+                        "must be positive",
+                    ));
+                }
+                if *min_chunk_tokens == 0 || min_chunk_tokens > token_budget {
+                    return Err(ConfigError::invalid(
+                        "chunking.min_chunk_tokens",
+                        "must lie in [1, token_budget]",
+                    ));
+                }
+                Ok(())
+            }
+            ChunkPolicy::FixedSize { chunk_tokens: 0 } => Err(ConfigError::invalid(
+                "chunking.chunk_tokens",
+                "must be positive",
+            )),
+            ChunkPolicy::FixedSize { .. } => Ok(()),
+        }
+    }
+}
+
+/// One request's prefill work on an engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillJob {
+    pub request: RequestId,
+    pub prompt_tokens: u32,
+    /// Reused prefix (its KV is fetched and swapped in).
+    pub hit_tokens: u32,
+    /// Tokens through the encoder: `prompt − hit`, including any encoder-side replay.
+    pub encoder_tokens: u32,
+    pub new_token_layers: u32,
+    pub decoder_tokens: u32,
+    pub decoder_layers: u32,
+    pub swap_in_bytes: u64,
+    /// KV fetched into host memory (and SWA state pulled): the job may be scheduled.
+    pub ready: bool,
+    pub done_tokens: u32,
+    pub first_step_at: Option<Nanos>,
+}
+
+impl PrefillJob {
+    fn remaining(&self) -> u32 {
+        self.encoder_tokens - self.done_tokens
+    }
+    fn chunk(&self, n: u32) -> PrefillChunk {
+        let last = n == self.remaining();
+        PrefillChunk {
+            request: self.request,
+            new_tokens: n,
+            prefix_tokens: self.prompt_tokens - self.encoder_tokens + self.done_tokens,
+            new_token_layers: self.new_token_layers,
+            decoder_tokens: if last { self.decoder_tokens } else { 0 },
+            decoder_layers: self.decoder_layers,
+            swap_in_bytes: if self.done_tokens == 0 {
+                self.swap_in_bytes
+            } else {
+                0
+            },
+        }
+    }
+}
+
+/// One prefill engine: a FIFO of jobs, one step at a time.
+#[derive(Clone, Debug)]
+pub struct PrefillEngine {
+    id: EngineId,
+    policy: ChunkPolicy,
+    model: PrefillCostModel,
+    imbalance: f64,
+    max_jobs: usize,
+    queue: VecDeque<PrefillJob>,
+    busy: bool,
+}
+
+impl PrefillEngine {
+    pub fn new(
+        id: EngineId,
+        policy: ChunkPolicy,
+        model: PrefillCostModel,
+        imbalance: f64,
+        max_jobs: usize,
+    ) -> Self {
+        PrefillEngine {
+            id,
+            policy,
+            model,
+            imbalance,
+            max_jobs,
+            queue: VecDeque::new(),
+            busy: false,
+        }
+    }
+    pub fn id(&self) -> EngineId {
+        self.id
+    }
+    pub fn busy(&self) -> bool {
+        self.busy
+    }
+    pub fn jobs(&self) -> usize {
+        self.queue.len()
+    }
+    pub fn has_room(&self) -> bool {
+        self.queue.len() < self.max_jobs
+    }
+
+    /// Predicted compute still queued here (each job as one chunk, without step bases): what a
+    /// pull balancer compares with the engine's quota.
+    pub fn remaining_ns(&self) -> f64 {
+        self.queue
+            .iter()
+            .map(|j| self.model.chunk_ns(&j.chunk(j.remaining()), self.imbalance))
+            .sum()
+    }
+
+    /// Predicted compute of a whole job on an idle engine.
+    pub fn job_ns(model: &PrefillCostModel, job: &PrefillJob, imbalance: f64) -> f64 {
+        model.chunk_ns(&job.chunk(job.remaining()), imbalance)
+    }
+
+    /// Adds a job; a full engine hands it back.
+    pub fn enqueue(&mut self, job: PrefillJob) -> Result<(), PrefillJob> {
+        if !self.has_room() {
+            return Err(job);
+        }
+        self.queue.push_back(job);
+        Ok(())
+    }
+
+    /// Marks a job's KV as fetched. Returns false if the engine does not hold it.
+    pub fn set_ready(&mut self, request: RequestId) -> bool {
+        match self.queue.iter_mut().find(|j| j.request == request) {
+            Some(j) => {
+                j.ready = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Plans the next step into `plan` (cleared first). Returns false when nothing is ready or
+    /// a step is already running.
+    pub fn plan_step(&mut self, now: Nanos, plan: &mut PrefillPlan) -> bool {
+        plan.engine = self.id;
+        plan.chunks.clear();
+        plan.expert_imbalance = self.imbalance;
+        if self.busy {
+            return false;
+        }
+        match self.policy.clone() {
+            ChunkPolicy::FixedSize { chunk_tokens } => {
+                let mut left = chunk_tokens;
+                for j in self.queue.iter().filter(|j| j.ready) {
+                    if left == 0 {
+                        break;
+                    }
+                    let n = j.remaining().min(left);
+                    plan.chunks.push(j.chunk(n));
+                    left -= n;
+                }
+            }
+            ChunkPolicy::TimeBudgeted {
+                token_budget,
+                time_budget,
+                min_chunk_tokens,
+            } => {
+                let limit = time_budget.0 as f64;
+                let mut left = token_budget;
+                let mut used = self.model.base_ns;
+                for j in self.queue.iter().filter(|j| j.ready) {
+                    if left == 0 {
+                        break;
+                    }
+                    let cap = j.remaining().min(left);
+                    let cost = |n: u32| self.model.chunk_ns(&j.chunk(n), self.imbalance);
+                    // Largest n in [1, cap] with used + cost(n) <= limit (cost grows with n).
+                    let n = if used + cost(cap) <= limit {
+                        cap
+                    } else if used + cost(1) > limit {
+                        0
+                    } else {
+                        let (mut lo, mut hi) = (1, cap);
+                        while lo < hi {
+                            let mid = lo + (hi - lo).div_ceil(2);
+                            if used + cost(mid) <= limit {
+                                lo = mid;
+                            } else {
+                                hi = mid - 1;
+                            }
+                        }
+                        lo
+                    };
+                    let n = if plan.chunks.is_empty() {
+                        n.max(min_chunk_tokens.min(cap))
+                    } else {
+                        n
+                    };
+                    if n == 0 {
+                        break;
+                    }
+                    used += cost(n);
+                    plan.chunks.push(j.chunk(n));
+                    left -= n;
+                }
+            }
+        }
+        if plan.chunks.is_empty() {
+            return false;
+        }
+        for c in &plan.chunks {
+            if let Some(j) = self.queue.iter_mut().find(|j| j.request == c.request) {
+                j.first_step_at.get_or_insert(now);
+            }
+        }
+        self.busy = true;
+        true
+    }
+
+    /// Applies a finished step: advances each chunk's job and moves completed jobs to `done`.
+    pub fn complete_step(&mut self, plan: &PrefillPlan, done: &mut Vec<PrefillJob>) {
+        self.busy = false;
+        for c in &plan.chunks {
+            if let Some(j) = self.queue.iter_mut().find(|j| j.request == c.request) {
+                j.done_tokens += c.new_tokens;
+            }
+        }
+        let mut i = 0;
+        while i < self.queue.len() {
+            if self.queue[i].remaining() == 0 {
+                done.extend(self.queue.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> PrefillCostModel {
+        PrefillCostModel {
+            base_ns: 1000.0,
+            per_layer_token_ns: 1.0,
+            per_layer_token_ctx_ns: 0.0,
+            moe_share: 0.0,
+            reference_imbalance: 1.0,
+        }
+    }
+    fn job(id: u64, prompt: u32, hit: u32) -> PrefillJob {
+        PrefillJob {
+            request: RequestId(id),
+            prompt_tokens: prompt,
+            hit_tokens: hit,
+            encoder_tokens: prompt - hit,
+            new_token_layers: 1,
+            decoder_tokens: 10,
+            decoder_layers: 1,
+            swap_in_bytes: 99,
+            ready: true,
+            done_tokens: 0,
+            first_step_at: None,
+        }
+    }
+    fn empty() -> PrefillPlan {
+        PrefillPlan {
+            engine: EngineId(0),
+            chunks: vec![],
+            expert_imbalance: 1.0,
+        }
+    }
+
+    #[test]
+    fn quadratic_cost_golden() {
+        let m = PrefillCostModel {
+            per_layer_token_ctx_ns: 0.5,
+            ..model()
+        };
+        // n = 100, p = 1000, 2 layers: 2 × (100 + 0.5 × 100 × 1050) = 105,200; decoder 10 tokens
+        // × 1 layer: 10 + 0.5 × 50 = 35.
+        let c = PrefillChunk {
+            request: RequestId(0),
+            new_tokens: 100,
+            prefix_tokens: 1000,
+            new_token_layers: 2,
+            decoder_tokens: 10,
+            decoder_layers: 1,
+            swap_in_bytes: 0,
+        };
+        assert_eq!(m.chunk_ns(&c, 1.0), 105_235.0);
+        assert_eq!(m.step_ns(&[c], 1.0), 106_235.0);
+    }
+
+    #[test]
+    fn time_budget_cuts_the_chunk() {
+        // Budget 1000 + 500 ns: 500 ns of tokens at 1 ns each, minus the replay of the last chunk.
+        let pol = ChunkPolicy::TimeBudgeted {
+            token_budget: 32_768,
+            time_budget: Nanos(1500),
+            min_chunk_tokens: 1,
+        };
+        let mut e = PrefillEngine::new(EngineId(0), pol, model(), 1.0, 8);
+        e.enqueue(job(1, 2000, 1000)).unwrap();
+        let mut p = empty();
+        assert!(e.plan_step(Nanos(5), &mut p));
+        assert_eq!(p.chunks.len(), 1);
+        assert_eq!(p.chunks[0].new_tokens, 500);
+        assert_eq!(p.chunks[0].prefix_tokens, 1000);
+        assert_eq!(p.chunks[0].swap_in_bytes, 99);
+        assert!(!e.plan_step(Nanos(5), &mut empty()), "busy");
+        let mut done = vec![];
+        e.complete_step(&p, &mut done);
+        assert!(done.is_empty());
+        assert!(e.plan_step(Nanos(9), &mut p));
+        // 500 left: 500 + 10 replay = 510 > 500, so 499 tokens, no replay yet.
+        assert_eq!(
+            (p.chunks[0].new_tokens, p.chunks[0].decoder_tokens),
+            (499, 0)
+        );
+        assert_eq!(p.chunks[0].swap_in_bytes, 0);
+        e.complete_step(&p, &mut done);
+        assert!(e.plan_step(Nanos(9), &mut p));
+        assert_eq!(
+            (p.chunks[0].new_tokens, p.chunks[0].decoder_tokens),
+            (1, 10)
+        );
+        e.complete_step(&p, &mut done);
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].first_step_at, Some(Nanos(5)));
+    }
+
+    #[test]
+    fn fixed_chunks_and_token_budget_span_jobs() {
+        let mut e = PrefillEngine::new(
+            EngineId(0),
+            ChunkPolicy::FixedSize { chunk_tokens: 300 },
+            model(),
+            1.0,
+            8,
+        );
+        e.enqueue(job(1, 200, 0)).unwrap();
+        let mut unready = job(2, 500, 0);
+        unready.ready = false;
+        e.enqueue(unready).unwrap();
+        e.enqueue(job(3, 500, 0)).unwrap();
+        let mut p = empty();
+        assert!(e.plan_step(Nanos(0), &mut p));
+        let got: Vec<_> = p
+            .chunks
+            .iter()
+            .map(|c| (c.request.0, c.new_tokens))
+            .collect();
+        assert_eq!(got, vec![(1, 200), (3, 100)]);
+        assert!(e.set_ready(RequestId(2)));
+        assert!(!e.set_ready(RequestId(7)));
+    }
+
+    #[test]
+    fn bounded_queue_and_bad_policies() {
+        let mut e = PrefillEngine::new(
+            EngineId(0),
+            ChunkPolicy::FixedSize { chunk_tokens: 1 },
+            model(),
+            1.0,
+            1,
+        );
+        e.enqueue(job(1, 10, 0)).unwrap();
+        assert!(e.enqueue(job(2, 10, 0)).is_err());
+        assert!(
+            ChunkPolicy::FixedSize { chunk_tokens: 0 }
+                .validate()
+                .is_err()
+        );
+        let bad = ChunkPolicy::TimeBudgeted {
+            token_budget: 10,
+            time_budget: Nanos(1),
+            min_chunk_tokens: 11,
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("min_chunk_tokens")
+        );
+    }
+}

@@ -1,0 +1,184 @@
+//! DSpark: dynamic vs fixed-5 verification at several batch sizes, against SPEC §10.
+
+use super::RunContext;
+use crate::config::ExperimentHeader;
+use crate::output::{Manifest, RunOutput, markdown_table};
+use anyhow::{Result, anyhow, bail};
+use polars::prelude::*;
+use rayon::prelude::*;
+use serde::Deserialize;
+use servelab_core::engine::VerificationPolicy;
+use servelab_sim::acceptance::AcceptanceModel;
+use servelab_sim::dspark::{DsparkPoint, DsparkResult, run_point};
+use servelab_sim::profile::HardwareProfile;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Published {
+    throughput_change_pct: Vec<f64>,
+    throughput_tolerance_pp: f64,
+    verified_min: f64,
+    verified_max: f64,
+    accepted_fixed: f64,
+    accepted_dynamic: f64,
+    accepted_tolerance: f64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DsparkConfig {
+    #[allow(dead_code)]
+    experiment: ExperimentHeader,
+    profile: String,
+    seqs_per_rank: Vec<u32>,
+    point: DsparkPoint,
+    fixed: VerificationPolicy,
+    dynamic: VerificationPolicy,
+    #[serde(default)]
+    acceptance: AcceptanceModel,
+    published: Published,
+}
+
+pub fn run(ctx: &RunContext) -> Result<()> {
+    let cfg: DsparkConfig = ctx.config.parse()?;
+    let path = ctx.config.path.display().to_string();
+    if cfg.seqs_per_rank.is_empty() {
+        bail!("{path}: `seqs_per_rank` is empty");
+    }
+    if cfg.published.throughput_change_pct.len() != cfg.seqs_per_rank.len() {
+        bail!(
+            "{path}: `published.throughput_change_pct` needs one value per `seqs_per_rank` entry"
+        );
+    }
+    let profile = HardwareProfile::resolve(&cfg.profile).map_err(|e| anyhow!("{path}: {e}"))?;
+    let seed = ctx.seed();
+    let jobs: Vec<(usize, bool)> = (0..cfg.seqs_per_rank.len())
+        .flat_map(|i| [(i, false), (i, true)])
+        .collect();
+    let pb = super::progress(ctx, jobs.len() as u64, "dspark");
+    let results: Vec<Result<DsparkResult>> = jobs
+        .par_iter()
+        .map(|&(i, dynamic)| {
+            let point = DsparkPoint {
+                seqs_per_rank: cfg.seqs_per_rank[i],
+                ..cfg.point.clone()
+            };
+            let pol = if dynamic { &cfg.dynamic } else { &cfg.fixed };
+            let r = run_point(&point, pol, &profile, &cfg.acceptance, seed)
+                .map_err(|e| anyhow!("{path}: {e}"));
+            pb.inc(1);
+            r
+        })
+        .collect();
+    pb.finish_and_clear();
+    let results: Vec<DsparkResult> = results.into_iter().collect::<Result<_>>()?;
+    let p = &cfg.published;
+    let mut out = RunOutput::create(&ctx.out)?;
+    let (mut b_col, mut mode, mut tput, mut acc, mut ver, mut step) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut md = Vec::new();
+    let mut all_ok = true;
+    let mut bars_f = Vec::new();
+    let mut bars_d = Vec::new();
+    for (i, &b) in cfg.seqs_per_rank.iter().enumerate() {
+        let (f, d) = (&results[2 * i], &results[2 * i + 1]);
+        for (name, r) in [("fixed-5", f), ("dynamic", d)] {
+            b_col.push(b);
+            mode.push(name);
+            tput.push(r.tokens_per_s_per_rank);
+            acc.push(r.accepted_length);
+            ver.push(r.verified_per_step);
+            step.push(r.mean_step_ms);
+        }
+        bars_f.push(f.tokens_per_s_per_rank);
+        bars_d.push(d.tokens_per_s_per_rank);
+        let change = 100.0 * (d.tokens_per_s_per_rank / f.tokens_per_s_per_rank - 1.0);
+        let want = p.throughput_change_pct[i];
+        let ok_t = (change - want).abs() <= p.throughput_tolerance_pp;
+        let ok_v = (p.verified_min..=p.verified_max).contains(&d.verified_per_step);
+        let ok_af = (f.accepted_length - p.accepted_fixed).abs() <= p.accepted_tolerance;
+        let ok_ad = (d.accepted_length - p.accepted_dynamic).abs() <= p.accepted_tolerance;
+        all_ok &= ok_t && ok_v && ok_af && ok_ad;
+        let mark = |ok: bool| if ok { "" } else { " ✗" };
+        md.push(vec![
+            b.to_string(),
+            format!("{:.0}", f.tokens_per_s_per_rank),
+            format!("{:.0}", d.tokens_per_s_per_rank),
+            format!("{change:+.1}% ({want:+.1}%){}", mark(ok_t)),
+            format!(
+                "{:.2} ({:.1}–{:.1}){}",
+                d.verified_per_step,
+                p.verified_min,
+                p.verified_max,
+                mark(ok_v)
+            ),
+            format!(
+                "{:.2} ({:.2}){}",
+                f.accepted_length,
+                p.accepted_fixed,
+                mark(ok_af)
+            ),
+            format!(
+                "{:.2} ({:.2}){}",
+                d.accepted_length,
+                p.accepted_dynamic,
+                mark(ok_ad)
+            ),
+        ]);
+    }
+    let mut df = df!(
+        "seqs_per_rank" => b_col,
+        "verification" => mode,
+        "tokens_per_s_per_rank" => tput,
+        "accepted_length" => acc,
+        "verified_per_step" => ver,
+        "mean_step_ms" => step,
+    )?;
+    out.write_table("dspark", &mut df)?;
+    let cats: Vec<String> = cfg
+        .seqs_per_rank
+        .iter()
+        .map(|b| format!("{b} seq/rank"))
+        .collect();
+    let svg = out.path("throughput.svg");
+    crate::plot::grouped_bars(
+        &svg,
+        "DSpark: tokens/s per rank",
+        "tokens/s per rank",
+        &cats,
+        &[
+            ("fixed-5".to_string(), bars_f),
+            ("dynamic".to_string(), bars_d),
+        ],
+    )?;
+    let table = markdown_table(
+        &[
+            "seq/rank",
+            "fixed-5 tok/s",
+            "dynamic tok/s",
+            "change (SPEC)",
+            "verified/step (SPEC)",
+            "accepted fixed (SPEC)",
+            "accepted dynamic (SPEC)",
+        ],
+        &md,
+    );
+    let verdict = if all_ok {
+        "every target within tolerance"
+    } else {
+        "targets marked ✗ are outside tolerance"
+    };
+    let summary = format!(
+        "# DSpark: dynamic vs fixed-5 verification\n\nProfile `{}`, {} ranks, closed loop, seed {seed}. Published values in parentheses (SPEC §10). {verdict}.\n\n{table}",
+        cfg.profile, cfg.point.ranks
+    );
+    out.write_text("summary.md", &summary)?;
+    out.write_manifest(&Manifest::new(
+        "dspark",
+        &ctx.config.path,
+        &ctx.config.text,
+        seed,
+    ))?;
+    println!("{summary}");
+    Ok(())
+}

@@ -1,0 +1,336 @@
+//! The draft-acceptance model behind DSpark in the simulator.
+//!
+//! Each step, a sequence's drafts have a latent per-position acceptance probability
+//! `q_i = σ(z + ε_i − decay·i)`, `z ~ N(mean_logit, seq_sigma)` (how predictable the text is
+//! now), `ε_i ~ N(0, token_sigma)`. The confidence head reports `c_i = σ(logit(q_i) + η_i)`,
+//! `η_i ~ N(0, confidence_noise)` (calibrated up to noise). Drafts are accepted left to right,
+//! so P(at least j accepted) is the cumulative product of q — one uniform draw per sequence
+//! decides how many drafts are accepted. To keep a 64 × 60-sequence step cheap, the model is
+//! tabulated: `profiles` draws of (q, c) are made once per run from the seed and every
+//! sequence-step picks one at random. The defaults were fitted together with the decode cost
+//! of `sm100-published` (see that file).
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use serde::{Deserialize, Serialize};
+use servelab_core::ConfigError;
+use servelab_core::engine::ConfidenceHistogram;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AcceptanceModel {
+    pub mean_logit: f64,
+    pub seq_sigma: f64,
+    pub token_sigma: f64,
+    pub position_decay: f64,
+    pub confidence_noise: f64,
+    /// Tabulated draws.
+    pub profiles: u32,
+}
+
+impl Default for AcceptanceModel {
+    fn default() -> Self {
+        AcceptanceModel {
+            mean_logit: 1.2285,
+            seq_sigma: 1.4347,
+            token_sigma: 0.7967,
+            position_decay: 0.0352,
+            confidence_noise: 0.0900,
+            profiles: 64,
+        }
+    }
+}
+
+impl AcceptanceModel {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (f, v) in [
+            ("seq_sigma", self.seq_sigma),
+            ("token_sigma", self.token_sigma),
+            ("confidence_noise", self.confidence_noise),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(ConfigError::invalid(
+                    format!("acceptance.{f}"),
+                    "must be finite and non-negative",
+                ));
+            }
+        }
+        if !self.mean_logit.is_finite() || !self.position_decay.is_finite() {
+            return Err(ConfigError::invalid(
+                "acceptance.mean_logit",
+                "must be finite",
+            ));
+        }
+        if self.profiles == 0 || self.profiles > 1 << 16 {
+            return Err(ConfigError::invalid(
+                "acceptance.profiles",
+                "must lie in [1, 65536]",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Acklam's rational approximation of the standard normal quantile (relative error < 1.2e-9).
+#[allow(clippy::excessive_precision)] // the published coefficients, kept as printed
+pub fn inverse_normal_cdf(p: f64) -> f64 {
+    const A: [f64; 6] = [
+        -3.969683028665376e1,
+        2.209460984245205e2,
+        -2.759285104469687e2,
+        1.383577518672690e2,
+        -3.066479806614716e1,
+        2.506628277459239,
+    ];
+    const B: [f64; 5] = [
+        -5.447609879822406e1,
+        1.615858368580409e2,
+        -1.556989798598866e2,
+        6.680131188771972e1,
+        -1.328068155288572e1,
+    ];
+    const C: [f64; 6] = [
+        -7.784894002430293e-3,
+        -3.223964580411365e-1,
+        -2.400758277161838,
+        -2.549732539343734,
+        4.374664141464968,
+        2.938163982698783,
+    ];
+    const D: [f64; 4] = [
+        7.784695709041462e-3,
+        3.224671290700398e-1,
+        2.445134137142996,
+        3.754408661907416,
+    ];
+    let p = p.clamp(1e-300, 1.0 - 1e-16);
+    let tail = |q: f64| {
+        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
+            / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
+    };
+    if p < 0.02425 {
+        tail((-2.0 * p.ln()).sqrt())
+    } else if p > 1.0 - 0.02425 {
+        -tail((-2.0 * (1.0 - p).ln()).sqrt())
+    } else {
+        let q = p - 0.5;
+        let r = q * q;
+        (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
+            / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
+    }
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// The tabulated model for `drafts` positions.
+#[derive(Clone, Debug)]
+pub struct AcceptanceTable {
+    pub drafts: usize,
+    pub profiles: usize,
+    /// Per-position conditional confidences, profile-major.
+    pub conf: Vec<f64>,
+    /// Cumulative products of the confidences.
+    pub cum_conf: Vec<f64>,
+    /// Cumulative products of the true acceptance probabilities.
+    pub cum_true: Vec<f64>,
+    /// (profile, position) by cumulative confidence, descending; ties: profile, position.
+    order: Vec<(u32, u8)>,
+    /// Index of each (profile, position) in `order`.
+    rank: Vec<u32>,
+    bin: Vec<u8>,
+}
+
+impl AcceptanceTable {
+    pub fn new(m: &AcceptanceModel, drafts: u32, seed: u64) -> Self {
+        let d = drafts as usize;
+        let k = m.profiles as usize;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let std = Normal::new(0.0, 1.0).expect("unit normal");
+        let (mut conf, mut cum_conf, mut cum_true) =
+            (vec![0.0; k * d], vec![0.0; k * d], vec![0.0; k * d]);
+        for p in 0..k {
+            // Stratified over the sequence-level draw, so a small table keeps the mean.
+            let z = m.mean_logit + m.seq_sigma * inverse_normal_cdf((p as f64 + 0.5) / k as f64);
+            let (mut cq, mut cc) = (1.0, 1.0);
+            for i in 0..d {
+                let l = z + m.token_sigma * std.sample(&mut rng) - m.position_decay * i as f64;
+                let c = sigmoid(l + m.confidence_noise * std.sample(&mut rng));
+                cq *= sigmoid(l);
+                cc *= c;
+                conf[p * d + i] = c;
+                cum_true[p * d + i] = cq;
+                cum_conf[p * d + i] = cc;
+            }
+        }
+        let mut order: Vec<(u32, u8)> = (0..k)
+            .flat_map(|p| (0..d).map(move |i| (p as u32, i as u8)))
+            .collect();
+        order.sort_by(|a, b| {
+            let (x, y) = (
+                cum_conf[a.0 as usize * d + a.1 as usize],
+                cum_conf[b.0 as usize * d + b.1 as usize],
+            );
+            y.total_cmp(&x).then(a.cmp(b))
+        });
+        let mut rank = vec![0; k * d];
+        for (r, &(p, i)) in order.iter().enumerate() {
+            rank[p as usize * d + i as usize] = r as u32;
+        }
+        let bin = cum_conf
+            .iter()
+            .map(|&c| ConfidenceHistogram::bin(c) as u8)
+            .collect();
+        AcceptanceTable {
+            drafts: d,
+            profiles: k,
+            conf,
+            cum_conf,
+            cum_true,
+            order,
+            rank,
+            bin,
+        }
+    }
+
+    /// Draws (profile, uniform) for one sequence-step from one random word.
+    #[inline]
+    pub fn draw(&self, rng: &mut impl Rng) -> (u32, f64) {
+        let x: u64 = rng.random();
+        let p = (((x >> 32) * self.profiles as u64) >> 32) as u32;
+        let u = (x & 0xffff_ffff) as f64 / 4_294_967_296.0;
+        (p, u)
+    }
+
+    /// Drafts accepted out of the first `len` when the uniform draw is `u`.
+    #[inline]
+    pub fn accepted(&self, profile: u32, len: u8, u: f64) -> u8 {
+        let row = &self.cum_true[profile as usize * self.drafts..][..len as usize];
+        row.iter().take_while(|&&c| c > u).count() as u8
+    }
+
+    /// Splits `budget` over sequences with profiles `prof` and limits `max_drafts`, exactly as
+    /// [`servelab_core::engine::dspark::split_budget`] would on the tabulated confidences, in
+    /// O(sequences × drafts + profiles × drafts). `counts` is scratch of profiles × drafts.
+    pub fn split(
+        &self,
+        prof: &[u32],
+        max_drafts: &[u32],
+        budget: u32,
+        counts: &mut Vec<u32>,
+        lens: &mut [u8],
+    ) {
+        let d = self.drafts;
+        counts.clear();
+        counts.resize(self.profiles * d, 0);
+        let mut total = 0u32;
+        for (&p, &m) in prof.iter().zip(max_drafts) {
+            let m = (m as usize).min(d);
+            for c in &mut counts[p as usize * d..p as usize * d + m] {
+                *c += 1;
+            }
+            total += m as u32;
+        }
+        let (mut boundary, mut partial) = (self.order.len() as u32, 0u32);
+        if budget < total {
+            let mut left = budget;
+            for (r, &(p, i)) in self.order.iter().enumerate() {
+                let c = counts[p as usize * d + i as usize];
+                if c == 0 {
+                    continue;
+                }
+                if left >= c {
+                    left -= c;
+                    if left == 0 {
+                        boundary = r as u32 + 1;
+                        break;
+                    }
+                } else {
+                    boundary = r as u32;
+                    partial = left;
+                    break;
+                }
+            }
+        }
+        for (s, (&p, &m)) in prof.iter().zip(max_drafts).enumerate() {
+            let m = (m as usize).min(d);
+            let ranks = &self.rank[p as usize * d..p as usize * d + m];
+            let mut len = ranks.iter().take_while(|&&r| r < boundary).count();
+            if partial > 0 && len < m && ranks[len] == boundary {
+                len += 1;
+                partial -= 1;
+            }
+            lens[s] = len as u8;
+        }
+    }
+
+    /// Adds a sequence's first `m` drafts to a confidence histogram.
+    #[inline]
+    pub fn add_to_histogram(&self, h: &mut ConfidenceHistogram, profile: u32, m: u32) {
+        let base = profile as usize * self.drafts;
+        for i in 0..(m as usize).min(self.drafts) {
+            let b = self.bin[base + i] as usize;
+            h.count[b] += 1;
+            h.sum[b] += self.cum_conf[base + i];
+        }
+        h.seqs += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use servelab_core::engine::dspark::split_budget;
+
+    #[test]
+    fn normal_quantiles() {
+        assert!(inverse_normal_cdf(0.5).abs() < 1e-9);
+        assert!((inverse_normal_cdf(0.975) - 1.959_964).abs() < 1e-5);
+        assert!((inverse_normal_cdf(0.01) + 2.326_348).abs() < 1e-5);
+    }
+
+    #[test]
+    fn small_table_keeps_the_mean() {
+        let t = AcceptanceTable::new(&AcceptanceModel::default(), 5, 1);
+        let mean: f64 = (0..t.profiles)
+            .map(|p| 1.0 + t.cum_true[p * 5..p * 5 + 5].iter().sum::<f64>())
+            .sum::<f64>()
+            / t.profiles as f64;
+        assert!((mean - 3.29).abs() < 0.08, "{mean}");
+    }
+
+    #[test]
+    fn default_model_accepts_about_3_29_with_fixed_five() {
+        let t = AcceptanceTable::new(
+            &AcceptanceModel {
+                profiles: 4096,
+                ..Default::default()
+            },
+            5,
+            1,
+        );
+        let mean: f64 = (0..t.profiles)
+            .map(|p| 1.0 + t.cum_true[p * 5..p * 5 + 5].iter().sum::<f64>())
+            .sum::<f64>()
+            / t.profiles as f64;
+        assert!((mean - 3.29).abs() < 0.08, "{mean}");
+    }
+
+    proptest! {
+        #[test]
+        fn fast_split_matches_the_kernel(seed in 0u64..1000, prof in proptest::collection::vec(0u32..16, 1..40),
+                                         maxes in proptest::collection::vec(0u32..6, 40), budget in 0u32..250) {
+            let t = AcceptanceTable::new(&AcceptanceModel { profiles: 16, ..Default::default() }, 5, seed);
+            let n = prof.len();
+            let conf: Vec<f64> = prof.iter().flat_map(|&p| t.conf[p as usize * 5..p as usize * 5 + 5].to_vec()).collect();
+            let mut want = vec![0u8; n];
+            split_budget(&conf, 5, &maxes[..n], budget, &mut want);
+            let mut got = vec![0u8; n];
+            t.split(&prof, &maxes[..n], budget, &mut Vec::new(), &mut got);
+            prop_assert_eq!(got, want);
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! The simulator's [`Backend`]: step durations from a hardware profile, decode acceptance from
+//! the tabulated acceptance model. The GPU engine implements the same trait with kernels.
+
+use crate::acceptance::{AcceptanceModel, AcceptanceTable};
+use crate::profile::HardwareProfile;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use servelab_core::Nanos;
+use servelab_core::engine::{
+    Backend, DecodePlan, PrefillPlan, RankOutcome, SeqOutcome, StepPlan, StepReport,
+};
+
+/// How the hit prefix's KV reaches HBM.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SwapIn {
+    /// Layer by layer over the NIC while the forward pass runs (SPEC §3.4): only the first
+    /// layer's copy is exposed.
+    #[default]
+    Overlapped,
+    /// Copy everything, then compute.
+    Serial,
+}
+
+pub struct CostModel {
+    profile: HardwareProfile,
+    table: AcceptanceTable,
+    swap_in: SwapIn,
+    rng: ChaCha8Rng,
+    prof: Vec<u32>,
+    uni: Vec<f64>,
+    maxes: Vec<u32>,
+    lens: Vec<u8>,
+    counts: Vec<u32>,
+}
+
+impl CostModel {
+    pub fn new(
+        profile: HardwareProfile,
+        acceptance: &AcceptanceModel,
+        draft_tokens: u32,
+        swap_in: SwapIn,
+        seed: u64,
+    ) -> Self {
+        let table = AcceptanceTable::new(
+            acceptance,
+            draft_tokens,
+            servelab_core::seed::sub_seed(seed, "acceptance.table"),
+        );
+        CostModel {
+            profile,
+            table,
+            swap_in,
+            rng: ChaCha8Rng::seed_from_u64(servelab_core::seed::sub_seed(seed, "acceptance.draws")),
+            prof: Vec::new(),
+            uni: Vec::new(),
+            maxes: Vec::new(),
+            lens: Vec::new(),
+            counts: Vec::new(),
+        }
+    }
+    pub fn profile(&self) -> &HardwareProfile {
+        &self.profile
+    }
+
+    pub fn prefill_ns(&self, plan: &PrefillPlan) -> f64 {
+        let compute = self
+            .profile
+            .prefill
+            .step_ns(&plan.chunks, plan.expert_imbalance);
+        let bytes: u64 = plan.chunks.iter().map(|c| c.swap_in_bytes).sum();
+        if bytes == 0 {
+            return compute;
+        }
+        let swap = bytes as f64 / self.profile.transfer.swap_in_bytes_per_s * 1e9;
+        match self.swap_in {
+            SwapIn::Serial => compute + swap,
+            SwapIn::Overlapped => {
+                let layers = plan
+                    .chunks
+                    .iter()
+                    .map(|c| c.new_token_layers)
+                    .max()
+                    .unwrap_or(1)
+                    .max(1);
+                compute.max(swap) + swap / f64::from(layers)
+            }
+        }
+    }
+
+    fn decode(&mut self, plan: &DecodePlan, report: &mut StepReport) -> f64 {
+        let d = self.table.drafts;
+        let model = &self.profile.decode;
+        report.seqs.clear();
+        report.seqs.resize(plan.seqs.len(), SeqOutcome::default());
+        report
+            .ranks
+            .resize_with(plan.ranks.len(), RankOutcome::default);
+        let mut slowest = 0.0f64;
+        for (r, rp) in plan.ranks.iter().enumerate() {
+            let seqs = &plan.seqs[rp.seq_start as usize..rp.seq_end as usize];
+            let n = seqs.len();
+            let hist = &mut report.ranks[r].confidence;
+            hist.clear();
+            if n == 0 {
+                continue;
+            }
+            self.prof.clear();
+            self.uni.clear();
+            self.maxes.clear();
+            let mut kv = 0u64;
+            for s in seqs {
+                let (p, u) = self.table.draw(&mut self.rng);
+                self.prof.push(p);
+                self.uni.push(u);
+                self.maxes.push(s.max_drafts.min(d as u32));
+                kv += u64::from(s.kv_tokens);
+            }
+            self.lens.resize(n, 0);
+            if plan.dynamic {
+                self.table.split(
+                    &self.prof,
+                    &self.maxes,
+                    rp.verify_budget,
+                    &mut self.counts,
+                    &mut self.lens,
+                );
+            } else {
+                for (l, &m) in self.lens.iter_mut().zip(&self.maxes) {
+                    *l = m as u8;
+                }
+            }
+            let mut verified = 0u32;
+            for i in 0..n {
+                let len = self.lens[i];
+                verified += u32::from(len);
+                let acc = self.table.accepted(self.prof[i], len, self.uni[i]);
+                report.seqs[rp.seq_start as usize + i] = SeqOutcome {
+                    verified: len,
+                    accepted: acc,
+                };
+                self.table
+                    .add_to_histogram(hist, self.prof[i], self.maxes[i]);
+            }
+            let t = model.predict_ns(
+                n as u32,
+                kv,
+                n as u32 + verified,
+                plan.dynamic,
+                plan.expert_imbalance,
+            );
+            slowest = slowest.max(t);
+        }
+        slowest
+    }
+}
+
+impl Backend for CostModel {
+    fn execute(&mut self, _now: Nanos, plan: &StepPlan, report: &mut StepReport) {
+        let ns = match plan {
+            StepPlan::Prefill(p) => {
+                report.seqs.clear();
+                report.ranks.clear();
+                self.prefill_ns(p)
+            }
+            StepPlan::Decode(p) => self.decode(p, report),
+        };
+        // At least 1 ns, so a step always moves time forward.
+        report.duration = Nanos((ns.round() as u64).max(1));
+    }
+}

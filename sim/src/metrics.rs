@@ -1,0 +1,133 @@
+//! Streaming metrics: log-bucketed histograms (percentiles without keeping every sample).
+
+use serde::{Deserialize, Serialize};
+
+/// Sub-buckets per power of two: values are kept to within 1/16 (6%) relative error.
+const SUB: u32 = 16;
+
+/// A histogram of non-negative integers (nanoseconds, tokens) with relative-error buckets.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Histogram {
+    counts: Vec<u64>,
+    n: u64,
+    sum: f64,
+    max: u64,
+}
+
+#[inline]
+fn bucket(v: u64) -> usize {
+    if v < u64::from(SUB) {
+        return v as usize;
+    }
+    let msb = 63 - v.leading_zeros();
+    let shift = msb - 4;
+    let top = (v >> shift) as u32 & (SUB - 1);
+    ((msb - 3) * SUB + top) as usize
+}
+
+/// Lower edge of a bucket.
+fn bucket_value(b: usize) -> u64 {
+    let b = b as u32;
+    if b < SUB {
+        return u64::from(b);
+    }
+    let msb = b / SUB + 3;
+    let top = u64::from(b % SUB);
+    (1u64 << msb) | (top << (msb - 4))
+}
+
+impl Histogram {
+    #[inline]
+    pub fn record(&mut self, v: u64) {
+        let b = bucket(v);
+        if b >= self.counts.len() {
+            self.counts.resize(b + 1, 0);
+        }
+        self.counts[b] += 1;
+        self.n += 1;
+        self.sum += v as f64;
+        self.max = self.max.max(v);
+    }
+    pub fn count(&self) -> u64 {
+        self.n
+    }
+    pub fn mean(&self) -> f64 {
+        if self.n == 0 {
+            0.0
+        } else {
+            self.sum / self.n as f64
+        }
+    }
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+    /// The `q`-quantile (0..=1), as the midpoint of its bucket (exact below 16).
+    pub fn quantile(&self, q: f64) -> f64 {
+        if self.n == 0 {
+            return 0.0;
+        }
+        let target = ((q.clamp(0.0, 1.0) * self.n as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (b, &c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= target {
+                let lo = bucket_value(b);
+                let hi = bucket_value(b + 1);
+                return if hi - lo <= 1 {
+                    lo as f64
+                } else {
+                    (lo as f64 + hi as f64) / 2.0
+                }
+                .min(self.max as f64);
+            }
+        }
+        self.max as f64
+    }
+    pub fn merge(&mut self, o: &Histogram) {
+        if o.counts.len() > self.counts.len() {
+            self.counts.resize(o.counts.len(), 0);
+        }
+        for (a, b) in self.counts.iter_mut().zip(&o.counts) {
+            *a += b;
+        }
+        self.n += o.n;
+        self.sum += o.sum;
+        self.max = self.max.max(o.max);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn small_values_exact_and_golden_quantiles() {
+        let mut h = Histogram::default();
+        for v in 1..=10 {
+            h.record(v);
+        }
+        assert_eq!(h.quantile(0.5), 5.0);
+        assert_eq!(h.quantile(1.0), 10.0);
+        assert_eq!(h.mean(), 5.5);
+    }
+
+    proptest! {
+        #[test]
+        fn quantiles_within_bucket_error(vs in proptest::collection::vec(1u64..10_000_000_000, 1..300), q in 0.0f64..1.0) {
+            let mut h = Histogram::default();
+            for &v in &vs { h.record(v); }
+            let mut s = vs.clone();
+            s.sort();
+            let exact = s[((q * s.len() as f64).ceil() as usize).max(1) - 1] as f64;
+            let got = h.quantile(q);
+            prop_assert!((got - exact).abs() <= exact / 16.0 + 1.0, "{} vs {}", got, exact);
+        }
+
+        #[test]
+        fn buckets_are_monotone(a in 0u64..u64::MAX / 2, d in 0u64..1000) {
+            prop_assert!(bucket(a) <= bucket(a + d));
+            prop_assert!(bucket_value(bucket(a)) <= a);
+        }
+    }
+}

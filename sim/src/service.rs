@@ -1,0 +1,1441 @@
+//! The discrete-event simulation of one serving unit (SPEC §3, §6–§8):
+//!
+//! arrival → entrypoint prefix match (real [`KvStore`], [`HitPolicy`], [`SwaCache`]) → prefill
+//! balancer → KV fetch from the store (10+2 erasure-coded reads, each finishing at its 10th of
+//! 11 answers) and SWA pull → prefill chunk scheduler (swap-in overlapped with compute) → SWA
+//! state stored → prefill-to-decode handoff over the PD link → decode balancer → decode group
+//! (DSpark, async scheduling) → outputs written to the store.
+//!
+//! Single-threaded and deterministic: integer time, events ordered by (time, seq), every random
+//! draw from a sub-seed of the run seed. Every arrival ends completed or rejected with a reason,
+//! checked at the end of every run together with KV and SWA slot conservation.
+//!
+//! Per-request work does not grow with the context when most of it is a hit: the entrypoint
+//! remembers, per session, how many leading blocks it found present and at which store
+//! "removal generation" (evictions + expirations); while nothing was removed since, a turn only
+//! looks up and writes its new blocks. Re-touching the reused run (for LRU recency and
+//! last-access TTLs) is coalesced to once per `touch_coalesce` per session.
+
+use crate::acceptance::AcceptanceModel;
+use crate::cost::{CostModel, SwapIn};
+use crate::events::EventQueue;
+use crate::metrics::Histogram;
+use crate::profile::HardwareProfile;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use servelab_core::content::hash2;
+use servelab_core::engine::prefill_lb::Submitted;
+use servelab_core::engine::{
+    Backend, ChunkPolicy, DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy,
+    DecodePlan, PrefillBalancer, PrefillEngine, PrefillJob, PrefillLbPolicy, PrefillPlan,
+    QueuedPrefill, Scheduling, SeqEmission, StepPlan, StepReport, VerificationPolicy,
+};
+use servelab_core::{
+    BlockKey, ConfigError, EngineId, HitInputs, HitPolicy, KvStore, MachineId, Nanos, PerfectCache,
+    Request, RequestId, ServingConstants, SessionId, StoreConfig, SwaCache, SwaConfig, SwaSource,
+    TrafficClass,
+};
+use std::collections::HashMap;
+
+/// Tags an SWA-state object in the store (SWA-on-SSD) apart from the block with that key.
+const SWA_OBJECT_TAG: u64 = 0x53a5_7a7e;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefillPoolConfig {
+    /// GPUs in the prefill pool; each is one engine (a DP rank of an EP4/DP4 instance).
+    pub gpus: u32,
+    pub gpus_per_machine: u32,
+    pub chunking: ChunkPolicy,
+    pub lb: PrefillLbPolicy,
+    pub max_jobs_per_engine: u32,
+    /// Requests waiting in the balancer; beyond it arrivals are rejected.
+    pub max_queued_requests: u32,
+    pub expert_imbalance: f64,
+}
+
+impl Default for PrefillPoolConfig {
+    fn default() -> Self {
+        PrefillPoolConfig {
+            gpus: 64,
+            gpus_per_machine: 8,
+            chunking: ChunkPolicy::TimeBudgeted {
+                token_budget: 32_768,
+                time_budget: Nanos::from_millis(250),
+                min_chunk_tokens: 128,
+            },
+            lb: PrefillLbPolicy::Tiered {
+                tier_bounds_tokens: vec![16_384, 65_536, 262_144],
+                round: Nanos::from_secs(1),
+                quota: Nanos::from_millis(300),
+                steal_when_idle: true,
+            },
+            max_jobs_per_engine: 64,
+            max_queued_requests: 100_000,
+            expert_imbalance: 1.074,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DecodePoolConfig {
+    /// EP groups; each has `ranks` GPUs.
+    pub groups: u32,
+    pub gpus_per_machine: u32,
+    pub ranks: u32,
+    pub max_seqs_per_rank: u32,
+    pub kv_capacity_tokens_per_rank: u64,
+    pub max_waiting_per_rank: u32,
+    pub verification: VerificationPolicy,
+    pub scheduling: Scheduling,
+    pub lb: DecodeLbPolicy,
+    pub expert_imbalance: f64,
+}
+
+impl Default for DecodePoolConfig {
+    fn default() -> Self {
+        DecodePoolConfig {
+            groups: 1,
+            gpus_per_machine: 8,
+            ranks: 64,
+            max_seqs_per_rank: 128,
+            // ~100 GB of HBM for KV at 890 B/token.
+            kv_capacity_tokens_per_rank: 112_000_000,
+            max_waiting_per_rank: 4096,
+            verification: VerificationPolicy::Dynamic {
+                min_seqs_per_rank: 0,
+                vote: Default::default(),
+                confirmation_rounds: 1,
+            },
+            scheduling: Scheduling::Async,
+            lb: DecodeLbPolicy::CountAndKv,
+            expert_imbalance: 1.09,
+        }
+    }
+}
+
+/// Reads of the hit prefix from the store cluster.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FetchConfig {
+    /// Read bandwidth of one storage node available to this unit.
+    pub node_read_bytes_per_s: f64,
+    /// Latency of one node's answer, plus an exponential tail with mean `tail_mean`.
+    pub latency: Nanos,
+    pub tail_mean: Nanos,
+    /// A fetch is issued as this many erasure-coded stripe reads (at most one per block).
+    pub stripes: u32,
+}
+
+impl Default for FetchConfig {
+    fn default() -> Self {
+        FetchConfig {
+            node_read_bytes_per_s: 40e9,
+            latency: Nanos::from_micros(200),
+            tail_mean: Nanos::from_micros(300),
+            stripes: 8,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LinkConfig {
+    /// PD handoff: bytes per second per prefill machine (400 Gbps per 8 GPUs).
+    pub handoff_bytes_per_s_per_machine: f64,
+    pub handoff_latency: Nanos,
+    /// Cross-machine SWA pull over the VLAN.
+    pub swa_pull_bytes_per_s: f64,
+    pub swa_pull_latency: Nanos,
+}
+
+impl Default for LinkConfig {
+    fn default() -> Self {
+        LinkConfig {
+            handoff_bytes_per_s_per_machine: 50e9,
+            handoff_latency: Nanos::from_micros(50),
+            swa_pull_bytes_per_s: 50e9,
+            swa_pull_latency: Nanos::from_micros(50),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServiceConfig {
+    pub profile: String,
+    pub constants: ServingConstants,
+    pub hit_policy: HitPolicy,
+    pub store: StoreConfig,
+    pub swa: SwaConfig,
+    pub prefill: PrefillPoolConfig,
+    pub decode: DecodePoolConfig,
+    pub fetch: FetchConfig,
+    pub links: LinkConfig,
+    pub swap_in: SwapIn,
+    pub acceptance: AcceptanceModel,
+    /// Requests arriving before this are simulated but not measured.
+    pub warmup: Nanos,
+    pub series_interval: Nanos,
+    /// One request in this many (by arrival order) is written to the per-request table.
+    pub sample_every: u32,
+    /// A session's reused blocks are re-touched at most this often (0 = every turn).
+    pub touch_coalesce: Nanos,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            profile: "sm100-published".into(),
+            constants: ServingConstants::default(),
+            hit_policy: HitPolicy::Deepinfer,
+            store: StoreConfig::default(),
+            swa: SwaConfig {
+                machines: 16,
+                ..SwaConfig::default()
+            },
+            prefill: PrefillPoolConfig::default(),
+            decode: DecodePoolConfig::default(),
+            fetch: FetchConfig::default(),
+            links: LinkConfig::default(),
+            swap_in: SwapIn::Overlapped,
+            acceptance: AcceptanceModel::default(),
+            warmup: Nanos::from_secs(60),
+            series_interval: Nanos::from_secs(10),
+            sample_every: 100,
+            touch_coalesce: Nanos::from_secs(60),
+        }
+    }
+}
+
+impl ServiceConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.constants.validate()?;
+        let p = &self.prefill;
+        let d = &self.decode;
+        if p.gpus == 0 || p.gpus_per_machine == 0 {
+            return Err(ConfigError::invalid(
+                "prefill.gpus",
+                "pool and machine sizes must be positive",
+            ));
+        }
+        if p.max_jobs_per_engine == 0 {
+            return Err(ConfigError::invalid(
+                "prefill.max_jobs_per_engine",
+                "must be positive",
+            ));
+        }
+        if !(p.expert_imbalance >= 1.0 && p.expert_imbalance.is_finite()) {
+            return Err(ConfigError::invalid(
+                "prefill.expert_imbalance",
+                "must be at least 1",
+            ));
+        }
+        p.chunking.validate()?;
+        p.lb.validate()?;
+        if d.groups == 0 || d.gpus_per_machine == 0 {
+            return Err(ConfigError::invalid(
+                "decode.groups",
+                "pool and machine sizes must be positive",
+            ));
+        }
+        let machines =
+            p.gpus.div_ceil(p.gpus_per_machine) + (d.groups * d.ranks).div_ceil(d.gpus_per_machine);
+        if self.swa.machines < machines {
+            return Err(ConfigError::invalid(
+                "swa.machines",
+                format!(
+                    "{} machines hold SWA state but the unit has {machines} (prefill + decode)",
+                    self.swa.machines
+                ),
+            ));
+        }
+        for (f, v) in [
+            (
+                "fetch.node_read_bytes_per_s",
+                self.fetch.node_read_bytes_per_s,
+            ),
+            (
+                "links.handoff_bytes_per_s_per_machine",
+                self.links.handoff_bytes_per_s_per_machine,
+            ),
+            (
+                "links.swa_pull_bytes_per_s",
+                self.links.swa_pull_bytes_per_s,
+            ),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(ConfigError::invalid(f, "must be positive"));
+            }
+        }
+        if self.fetch.stripes == 0 {
+            return Err(ConfigError::invalid("fetch.stripes", "must be positive"));
+        }
+        if self.series_interval == Nanos::ZERO || self.sample_every == 0 {
+            return Err(ConfigError::invalid(
+                "series_interval",
+                "series_interval and sample_every must be positive",
+            ));
+        }
+        self.acceptance.validate()
+    }
+
+    fn group_config(&self) -> DecodeGroupConfig {
+        let d = &self.decode;
+        DecodeGroupConfig {
+            ranks: d.ranks,
+            max_seqs_per_rank: d.max_seqs_per_rank,
+            kv_capacity_tokens_per_rank: d.kv_capacity_tokens_per_rank,
+            max_waiting_per_rank: d.max_waiting_per_rank,
+            draft_tokens: self.constants.draft_tokens,
+            verification: d.verification.clone(),
+            scheduling: d.scheduling,
+            expert_imbalance: d.expert_imbalance,
+        }
+    }
+}
+
+/// Why a request did not complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rejection {
+    PrefillQueueFull,
+    PrefillEngineFull,
+    DecodeQueueFull,
+    ContextTooLarge,
+}
+
+impl Rejection {
+    pub const ALL: [Rejection; 4] = [
+        Rejection::PrefillQueueFull,
+        Rejection::PrefillEngineFull,
+        Rejection::DecodeQueueFull,
+        Rejection::ContextTooLarge,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Rejection::PrefillQueueFull => "prefill_queue_full",
+            Rejection::PrefillEngineFull => "prefill_engine_full",
+            Rejection::DecodeQueueFull => "decode_queue_full",
+            Rejection::ContextTooLarge => "context_too_large",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Pending,
+    Done,
+    Rejected(Rejection),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ReqState {
+    status: Status,
+    hit_tokens: u32,
+    encoder_tokens: u32,
+    engine: u32,
+    swa_machine: Option<MachineId>,
+    first_step: Nanos,
+    first_token: Nanos,
+    last_token: Nanos,
+    max_gap: Nanos,
+    emitted: u32,
+    decode_group: u32,
+}
+
+/// One sampled request.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RequestRow {
+    pub request: u64,
+    pub class: &'static str,
+    pub arrival_s: f64,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    pub hit_tokens: u32,
+    pub outcome: &'static str,
+    pub queue_ms: f64,
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+    pub max_gap_ms: f64,
+    pub e2e_s: f64,
+}
+
+/// One interval of the run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SeriesRow {
+    pub t_s: f64,
+    pub arrivals: u64,
+    pub completions: u64,
+    pub prefill_tokens_per_s_per_gpu: f64,
+    pub decode_tokens_per_s_per_gpu: f64,
+    pub prefill_busy: f64,
+    pub decode_seqs_per_rank: f64,
+    pub kv_occupancy: f64,
+    pub prefill_queued: u64,
+}
+
+/// Per engine (a prefill GPU, or a decode EP group).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EngineRow {
+    pub pool: &'static str,
+    pub engine: u32,
+    pub utilisation: f64,
+    pub tokens_per_s_per_gpu: f64,
+    pub steps: u64,
+    pub mean_batch: f64,
+    pub mean_kv_occupancy: f64,
+}
+
+/// Latency distributions of measured requests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Latencies {
+    pub ttft_ns: Histogram,
+    pub tpot_ns: Histogram,
+    pub e2e_ns: Histogram,
+    pub queue_ns: Histogram,
+    pub gap_ns: Histogram,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ServiceReport {
+    pub arrivals: u64,
+    pub completed: u64,
+    pub rejected: Vec<(&'static str, u64)>,
+    pub measured_requests: u64,
+    pub measured_span_s: f64,
+    pub simulated_s: f64,
+    pub events: u64,
+    pub all: Latencies,
+    pub by_class: Vec<(&'static str, Latencies)>,
+    pub input_tokens: u64,
+    pub hit_tokens: u64,
+    pub encoder_tokens: u64,
+    pub output_tokens: u64,
+    pub prefill_tokens_per_s_per_gpu: f64,
+    pub decode_tokens_per_s_per_gpu: f64,
+    pub decode_seqs_per_rank: f64,
+    pub verified_drafts_per_seq_step: f64,
+    pub accepted_length: f64,
+    pub prefill_utilisation: f64,
+    pub decode_utilisation: f64,
+    pub swa_hit_rate: f64,
+    pub store_used_bytes: u64,
+    pub full_prefix_lookups: u64,
+    pub memo_prefix_lookups: u64,
+    pub requests: Vec<RequestRow>,
+    pub series: Vec<SeriesRow>,
+    pub engines: Vec<EngineRow>,
+}
+
+impl ServiceReport {
+    pub fn hit_rate(&self) -> f64 {
+        self.hit_tokens as f64 / self.input_tokens.max(1) as f64
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Ev {
+    Arrival(u32),
+    Ready(u32),
+    PrefillDone(u32),
+    Handoff(u32),
+    DecodeDone(u32),
+    Tick,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Memo {
+    chain: usize,
+    blocks: u32,
+    generation: u64,
+    touched_at: Nanos,
+}
+
+#[derive(Default, Clone, Copy)]
+struct EngineStats {
+    busy_ns: u64,
+    steps: u64,
+    tokens: u64,
+    batch: u64,
+    kv_weighted: f64,
+}
+
+struct DecodeDriver {
+    plans: [StepPlan; 2],
+    report: StepReport,
+    in_flight: bool,
+    /// Async: plans[1] was built for the next step.
+    next_built: bool,
+    first_rank_gpu: u32,
+}
+
+struct Sim<'a> {
+    cfg: &'a ServiceConfig,
+    reqs: &'a [Request],
+    state: Vec<ReqState>,
+    q: EventQueue<Ev>,
+    store: KvStore,
+    swa: SwaCache,
+    perfect: PerfectCache,
+    memo: HashMap<SessionId, Memo>,
+    backend: CostModel,
+    prefill: Vec<PrefillEngine>,
+    prefill_plans: Vec<StepPlan>,
+    prefill_stats: Vec<EngineStats>,
+    lb: PrefillBalancer,
+    groups: Vec<DecodeGroup>,
+    decode: Vec<DecodeDriver>,
+    decode_stats: Vec<EngineStats>,
+    dlb: DecodeBalancer,
+    node_busy: Vec<Nanos>,
+    handoff_busy: Vec<Nanos>,
+    rng: ChaCha8Rng,
+    report: StepReport,
+    emissions: Vec<SeqEmission>,
+    finished_jobs: Vec<PrefillJob>,
+    /// Jobs built at arrival, waiting for an engine.
+    waiting_jobs: HashMap<u32, PrefillJob>,
+    loads: Vec<f64>,
+    pending: u64,
+    completed: u64,
+    rejected: [u64; 4],
+    lat: Latencies,
+    lat_class: [Latencies; 3],
+    measured: u64,
+    measured_first: Nanos,
+    measured_last: Nanos,
+    tokens: [u64; 4],
+    verified: u64,
+    seq_steps: u64,
+    series: Vec<SeriesRow>,
+    cur: SeriesRow,
+    cur_prefill_tokens: u64,
+    cur_decode_tokens: u64,
+    cur_prefill_busy: u64,
+    cur_decode_seq_steps: u64,
+    cur_decode_steps: u64,
+    cur_kv: f64,
+    full_lookups: u64,
+    memo_lookups: u64,
+    rows: Vec<RequestRow>,
+}
+
+/// Runs the unit over `requests` (sorted by arrival) to completion.
+pub fn run(
+    cfg: &ServiceConfig,
+    requests: &[Request],
+    seed: u64,
+) -> Result<ServiceReport, ConfigError> {
+    cfg.validate()?;
+    let profile = HardwareProfile::resolve(&cfg.profile)?;
+    if let Some(r) = requests.windows(2).find(|w| w[1].arrival < w[0].arrival) {
+        return Err(ConfigError::invalid(
+            "workload",
+            format!("requests not sorted by arrival at {}", r[1].id),
+        ));
+    }
+    if let Some(r) = requests
+        .iter()
+        .find(|r| r.block_tokens() != cfg.constants.block_tokens)
+    {
+        return Err(ConfigError::invalid(
+            "constants.block_tokens",
+            format!(
+                "request {} is keyed at {} tokens per block, the unit at {}",
+                r.id,
+                r.block_tokens(),
+                cfg.constants.block_tokens
+            ),
+        ));
+    }
+    let mut sim = Sim::new(cfg, requests, profile, seed)?;
+    sim.run()?;
+    sim.finish()
+}
+
+fn empty_decode_plan() -> StepPlan {
+    StepPlan::Decode(DecodePlan {
+        engine: EngineId(0),
+        ranks: Vec::new(),
+        seqs: Vec::new(),
+        dynamic: false,
+        expert_imbalance: 1.0,
+    })
+}
+
+impl<'a> Sim<'a> {
+    fn new(
+        cfg: &'a ServiceConfig,
+        reqs: &'a [Request],
+        profile: HardwareProfile,
+        seed: u64,
+    ) -> Result<Self, ConfigError> {
+        let c = &cfg.constants;
+        let store = KvStore::new(cfg.store.clone(), c.block_bytes())?;
+        let swa = SwaCache::new(cfg.swa.clone())?;
+        let lb = PrefillBalancer::new(
+            cfg.prefill.lb.clone(),
+            cfg.prefill.gpus,
+            cfg.prefill.max_queued_requests as usize,
+        )?;
+        let prefill = (0..cfg.prefill.gpus)
+            .map(|i| {
+                PrefillEngine::new(
+                    EngineId(i),
+                    cfg.prefill.chunking.clone(),
+                    profile.prefill.clone(),
+                    cfg.prefill.expert_imbalance,
+                    cfg.prefill.max_jobs_per_engine as usize,
+                )
+            })
+            .collect();
+        let mut decode = Vec::new();
+        let mut groups = Vec::new();
+        for g in 0..cfg.decode.groups {
+            groups.push(DecodeGroup::new(
+                EngineId(g),
+                cfg.group_config(),
+                profile.decode.clone(),
+            )?);
+            decode.push(DecodeDriver {
+                plans: [empty_decode_plan(), empty_decode_plan()],
+                report: StepReport::default(),
+                in_flight: false,
+                next_built: false,
+                first_rank_gpu: g * cfg.decode.ranks,
+            });
+        }
+        let backend = CostModel::new(profile, &cfg.acceptance, c.draft_tokens, cfg.swap_in, seed);
+        let prefill_machines = cfg.prefill.gpus.div_ceil(cfg.prefill.gpus_per_machine);
+        let n = reqs.len();
+        Ok(Sim {
+            cfg,
+            reqs,
+            state: vec![
+                ReqState {
+                    status: Status::Pending,
+                    hit_tokens: 0,
+                    encoder_tokens: 0,
+                    engine: 0,
+                    swa_machine: None,
+                    first_step: Nanos::ZERO,
+                    first_token: Nanos::ZERO,
+                    last_token: Nanos::ZERO,
+                    max_gap: Nanos::ZERO,
+                    emitted: 0,
+                    decode_group: 0,
+                };
+                n
+            ],
+            q: EventQueue::new(),
+            store,
+            swa,
+            perfect: PerfectCache::new(),
+            memo: HashMap::new(),
+            backend,
+            prefill,
+            prefill_plans: (0..cfg.prefill.gpus)
+                .map(|_| {
+                    StepPlan::Prefill(PrefillPlan {
+                        engine: EngineId(0),
+                        chunks: Vec::new(),
+                        expert_imbalance: 1.0,
+                    })
+                })
+                .collect(),
+            prefill_stats: vec![EngineStats::default(); cfg.prefill.gpus as usize],
+            lb,
+            decode_stats: vec![EngineStats::default(); cfg.decode.groups as usize],
+            decode,
+            groups,
+            dlb: DecodeBalancer::new(cfg.decode.lb),
+            node_busy: vec![Nanos::ZERO; cfg.store.storage_nodes as usize],
+            handoff_busy: vec![Nanos::ZERO; prefill_machines as usize],
+            rng: ChaCha8Rng::seed_from_u64(servelab_core::seed::sub_seed(seed, "service.fetch")),
+            report: StepReport::default(),
+            emissions: Vec::new(),
+            finished_jobs: Vec::new(),
+            waiting_jobs: HashMap::new(),
+            loads: vec![0.0; cfg.prefill.gpus as usize],
+            pending: 0,
+            completed: 0,
+            rejected: [0; 4],
+            lat: Latencies::default(),
+            lat_class: Default::default(),
+            measured: 0,
+            measured_first: Nanos::MAX,
+            measured_last: Nanos::ZERO,
+            tokens: [0; 4],
+            verified: 0,
+            seq_steps: 0,
+            series: Vec::new(),
+            cur: SeriesRow::default(),
+            cur_prefill_tokens: 0,
+            cur_decode_tokens: 0,
+            cur_prefill_busy: 0,
+            cur_decode_seq_steps: 0,
+            cur_decode_steps: 0,
+            cur_kv: 0.0,
+            full_lookups: 0,
+            memo_lookups: 0,
+            rows: Vec::new(),
+        })
+    }
+
+    fn measured(&self, i: usize) -> bool {
+        self.reqs[i].arrival >= self.cfg.warmup
+    }
+
+    fn run(&mut self) -> Result<(), ConfigError> {
+        // Arrivals are fed one at a time so the heap holds only what is in flight.
+        if !self.reqs.is_empty() {
+            self.q.push(self.reqs[0].arrival, Ev::Arrival(0));
+            self.q.push(self.cfg.series_interval, Ev::Tick);
+        }
+        while let Some((now, ev)) = self.q.pop() {
+            match ev {
+                Ev::Arrival(i) => {
+                    if (i as usize) + 1 < self.reqs.len() {
+                        let next = i + 1;
+                        self.q
+                            .push(self.reqs[next as usize].arrival, Ev::Arrival(next));
+                    }
+                    self.arrive(now, i as usize);
+                }
+                Ev::Ready(i) => {
+                    let e = self.state[i as usize].engine;
+                    self.prefill[e as usize].set_ready(RequestId(u64::from(i)));
+                    self.start_prefill(now, e as usize);
+                }
+                Ev::PrefillDone(e) => self.prefill_done(now, e as usize),
+                Ev::Handoff(i) => self.handoff(now, i as usize),
+                Ev::DecodeDone(g) => self.decode_done(now, g as usize),
+                Ev::Tick => {
+                    self.tick(now);
+                    if self.pending > 0 || !self.q.is_empty() {
+                        self.q.push(now + self.cfg.series_interval, Ev::Tick);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn generation(&self) -> u64 {
+        let s = self.store.stats();
+        s.evictions + s.expirations
+    }
+
+    /// Entrypoint prefix match: leading full blocks of the prompt present in the store.
+    fn cached_blocks(&mut self, now: Nanos, r: &Request) -> u32 {
+        let blocks = r.prompt_blocks();
+        let chain = std::sync::Arc::as_ptr(&r.content) as usize;
+        self.store.advance(now);
+        let generation = self.generation();
+        let start = match r.session.and_then(|s| self.memo.get(&s)) {
+            Some(m) if m.chain == chain && m.generation == generation => {
+                self.memo_lookups += 1;
+                (m.blocks as usize).min(blocks.len())
+            }
+            _ => {
+                self.full_lookups += 1;
+                0
+            }
+        };
+        let b = start + self.store.lookup_prefix(now, &blocks[start..]);
+        if let Some(s) = r.session {
+            let m = self.memo.entry(s).or_insert(Memo {
+                chain,
+                blocks: 0,
+                generation,
+                touched_at: Nanos::ZERO,
+            });
+            if m.chain != chain {
+                m.touched_at = Nanos::ZERO;
+            }
+            m.chain = chain;
+            m.blocks = b as u32;
+            m.generation = generation;
+        }
+        b as u32
+    }
+
+    /// Writes (or touches) the blocks `[0, upto)` of `r`'s chain; with a valid memo only the
+    /// new ones, re-touching the reused run at most once per `touch_coalesce`.
+    fn write_blocks(&mut self, now: Nanos, r: &Request, upto_tokens: u32) {
+        let all = r.content.full_blocks(upto_tokens);
+        let chain = std::sync::Arc::as_ptr(&r.content) as usize;
+        self.store.advance(now);
+        let before = self.generation();
+        let coalesce = self.cfg.touch_coalesce;
+        let memo = r.session.and_then(|s| self.memo.get(&s).copied());
+        let start = match memo {
+            Some(m)
+                if m.chain == chain
+                    && m.generation == before
+                    && now.saturating_sub(m.touched_at) < coalesce =>
+            {
+                (m.blocks as usize).min(all.len())
+            }
+            _ => 0,
+        };
+        self.store.touch_or_insert(now, &all[start..], r.class);
+        let after = self.generation();
+        if let Some(s) = r.session {
+            let m = self.memo.entry(s).or_insert(Memo {
+                chain,
+                blocks: 0,
+                generation: after,
+                touched_at: now,
+            });
+            if start == 0 {
+                m.touched_at = now;
+            }
+            m.chain = chain;
+            // Removals during the write may have taken our own blocks: trust nothing then.
+            m.blocks = if after == before { all.len() as u32 } else { 0 };
+            m.generation = after;
+        }
+    }
+
+    fn swa_key(key: BlockKey) -> BlockKey {
+        BlockKey(hash2(key.0, SWA_OBJECT_TAG))
+    }
+
+    fn reject(&mut self, i: usize, why: Rejection) {
+        self.state[i].status = Status::Rejected(why);
+        self.rejected[why as usize] += 1;
+        self.pending -= 1;
+        self.sample_row(i);
+    }
+
+    fn arrive(&mut self, now: Nanos, i: usize) {
+        let r = &self.reqs[i];
+        let c = &self.cfg.constants;
+        self.pending += 1;
+        self.cur.arrivals += 1;
+        if u64::from(r.context_tokens()) > self.cfg.decode.kv_capacity_tokens_per_rank {
+            self.reject(i, Rejection::ContextTooLarge);
+            return;
+        }
+        let policy = self.cfg.hit_policy;
+        let perfect_hit = if policy.uses_perfect_cache() {
+            self.perfect.hit_tokens(r)
+        } else {
+            0
+        };
+        let cached = if policy.uses_perfect_cache() {
+            0
+        } else {
+            self.cached_blocks(now, r) * c.block_tokens
+        };
+        let inputs = HitInputs {
+            prompt_tokens: r.prompt_tokens,
+            cached_block_tokens: cached,
+            perfect_hit_tokens: if policy.uses_perfect_cache() {
+                perfect_hit
+            } else {
+                cached
+            },
+        };
+        let mut swa_machine = None;
+        let decision = {
+            let (store, swa) = (&mut self.store, &mut self.swa);
+            policy.decide(c, inputs, |p| {
+                let Some(key) = r.key_at(p) else { return false };
+                match policy.swa_source() {
+                    SwaSource::HostCache => {
+                        swa_machine = swa.lookup(now, key);
+                        swa_machine.is_some()
+                    }
+                    SwaSource::BlockStore => store.contains(now, Self::swa_key(key)),
+                    SwaSource::NotNeeded => true,
+                }
+            })
+        };
+        if policy.uses_perfect_cache() {
+            self.perfect.record_prompt(r);
+        }
+        let st = &mut self.state[i];
+        st.hit_tokens = decision.hit_tokens;
+        st.encoder_tokens = decision.encoder_tokens;
+        st.swa_machine = if decision.swa_state_at.is_some() {
+            swa_machine
+        } else {
+            None
+        };
+        let (layers, dec_layers) = if decision.decoder_only {
+            (c.total_layers(), 0)
+        } else {
+            (c.encoder_layers, c.decoder_layers)
+        };
+        let job = PrefillJob {
+            request: RequestId(i as u64),
+            prompt_tokens: r.prompt_tokens,
+            hit_tokens: decision.hit_tokens,
+            encoder_tokens: decision.encoder_tokens,
+            new_token_layers: layers,
+            decoder_tokens: if decision.decoder_only {
+                0
+            } else {
+                decision.decoder_tokens
+            },
+            decoder_layers: dec_layers,
+            swap_in_bytes: u64::from(decision.reused_kv_tokens()) * u64::from(c.kv_bytes_per_token),
+            ready: false,
+            done_tokens: 0,
+            first_step_at: None,
+        };
+        let compute_ns = PrefillEngine::job_ns(
+            &self.backend.profile().prefill,
+            &job,
+            self.cfg.prefill.expert_imbalance,
+        );
+        let qp = QueuedPrefill {
+            request: job.request,
+            context_tokens: r.prompt_tokens,
+            compute_ns,
+            queued_at: now,
+        };
+        self.waiting_jobs.insert(i as u32, job);
+        if matches!(self.cfg.prefill.lb, PrefillLbPolicy::LeastLoaded) {
+            for (l, e) in self.loads.iter_mut().zip(&self.prefill) {
+                *l = e.remaining_ns();
+            }
+        }
+        match self.lb.submit(now, qp, &self.loads) {
+            Submitted::Routed(e, _) => self.assign(now, i, e.0 as usize),
+            Submitted::Queued => self.pull_all(now),
+            Submitted::Rejected(_) => {
+                self.waiting_jobs.remove(&(i as u32));
+                self.reject(i, Rejection::PrefillQueueFull)
+            }
+        }
+    }
+
+    fn pull_all(&mut self, now: Nanos) {
+        if !self.lb.pulls() {
+            return;
+        }
+        for e in 0..self.prefill.len() {
+            if self.lb.queued() == 0 {
+                return;
+            }
+            while self.prefill[e].has_room() {
+                let load = self.prefill[e].remaining_ns();
+                let Some(q) = self.lb.pull(now, EngineId(e as u32), load) else {
+                    break;
+                };
+                self.assign(now, q.request.0 as usize, e);
+            }
+        }
+    }
+
+    /// The request's job joins engine `e`; its KV fetch and SWA pull start now.
+    fn assign(&mut self, now: Nanos, i: usize, e: usize) {
+        let r = &self.reqs[i];
+        let c = &self.cfg.constants;
+        let st = self.state[i];
+        let job = self
+            .waiting_jobs
+            .remove(&(i as u32))
+            .expect("a submitted request has its job");
+        // The hit and the encoder-replayed blocks are both read from the store.
+        let reused = (job.swap_in_bytes / u64::from(c.kv_bytes_per_token)) as u32;
+        self.state[i].engine = e as u32;
+        if self.prefill[e].enqueue(job).is_err() {
+            self.reject(i, Rejection::PrefillEngineFull);
+            return;
+        }
+        let mut ready = now;
+        if reused > 0 {
+            ready = ready.max(self.fetch(now, r, reused));
+        }
+        let machine = e as u32 / self.cfg.prefill.gpus_per_machine;
+        if let Some(m) = st.swa_machine
+            && m.0 != machine
+        {
+            let bytes = c.swa_state_bytes() as f64;
+            let t = Nanos::from_secs_f64(bytes / self.cfg.links.swa_pull_bytes_per_s)
+                + self.cfg.links.swa_pull_latency;
+            ready = ready.max(now + t);
+        }
+        if ready == now {
+            self.prefill[e].set_ready(RequestId(i as u64));
+            self.start_prefill(now, e);
+        } else {
+            self.q.push(ready, Ev::Ready(i as u32));
+        }
+    }
+
+    /// Reads `tokens` of `r`'s prefix from the store: `stripes` erasure-coded reads, each sent
+    /// to data + 1 nodes of its group and done at the data-th answer. Returns when all are done.
+    fn fetch(&mut self, now: Nanos, r: &Request, tokens: u32) -> Nanos {
+        let c = &self.cfg.constants;
+        let f = &self.cfg.fetch;
+        let keys = r
+            .content
+            .full_blocks(tokens.div_ceil(c.block_tokens) * c.block_tokens);
+        let bytes = u64::from(tokens) * u64::from(c.kv_bytes_per_token);
+        let stripes = (f.stripes as usize).min(keys.len()).max(1);
+        let data = self.cfg.store.ec_data_shards as usize;
+        let ask = (data + 1).min(data + self.cfg.store.ec_parity_shards as usize);
+        let per_node = bytes as f64 / stripes as f64 / data as f64;
+        let transfer = Nanos::from_secs_f64(per_node / f.node_read_bytes_per_s);
+        let mut done = now;
+        let mut answers = [Nanos::ZERO; 64];
+        for s in 0..stripes {
+            let key = keys
+                .get(s * keys.len() / stripes)
+                .copied()
+                .unwrap_or(BlockKey(r.id.0));
+            let group = self.store.placement(key);
+            for (a, node) in group.nodes.iter().take(ask).enumerate() {
+                let busy = &mut self.node_busy[node.0 as usize];
+                let start = (*busy).max(now);
+                *busy = start + transfer;
+                let u: f64 = self.rng.random();
+                let tail = Nanos::from_secs_f64(-(1.0 - u).ln() * f.tail_mean.as_secs_f64());
+                answers[a.min(63)] = *busy + f.latency + tail;
+            }
+            let got = &mut answers[..ask.min(64)];
+            got.sort_unstable();
+            done = done.max(got[data.min(got.len()) - 1]);
+        }
+        done
+    }
+
+    fn start_prefill(&mut self, now: Nanos, e: usize) {
+        let StepPlan::Prefill(plan) = &mut self.prefill_plans[e] else {
+            unreachable!("prefill plan")
+        };
+        if !self.prefill[e].plan_step(now, plan) {
+            return;
+        }
+        for c in &plan.chunks {
+            let st = &mut self.state[c.request.0 as usize];
+            if st.first_step == Nanos::ZERO {
+                st.first_step = now.max(Nanos(1));
+            }
+        }
+        self.backend
+            .execute(now, &self.prefill_plans[e], &mut self.report);
+        let d = self.report.duration;
+        let s = &mut self.prefill_stats[e];
+        s.busy_ns += d.0;
+        s.steps += 1;
+        let StepPlan::Prefill(plan) = &self.prefill_plans[e] else {
+            unreachable!("prefill plan")
+        };
+        let toks = plan.new_tokens();
+        s.tokens += toks;
+        s.batch += plan.chunks.len() as u64;
+        self.cur_prefill_tokens += toks;
+        self.cur_prefill_busy += d.0;
+        self.q.push(now + d, Ev::PrefillDone(e as u32));
+    }
+
+    fn prefill_done(&mut self, now: Nanos, e: usize) {
+        let StepPlan::Prefill(plan) = &self.prefill_plans[e] else {
+            unreachable!("prefill plan")
+        };
+        let mut done = std::mem::take(&mut self.finished_jobs);
+        done.clear();
+        self.prefill[e].complete_step(plan, &mut done);
+        let c = self.cfg.constants.clone();
+        let machine = MachineId(e as u32 / self.cfg.prefill.gpus_per_machine);
+        for job in &done {
+            let i = job.request.0 as usize;
+            let r = &self.reqs[i];
+            self.state[i].first_token = now;
+            self.state[i].last_token = now;
+            self.state[i].emitted = 1;
+            self.write_blocks(now, r, r.prompt_tokens);
+            // SWA state at the last 128-multiple of the prompt (SPEC §5).
+            let at = (r.prompt_tokens / c.block_tokens) * c.block_tokens;
+            if let Some(key) = r.key_at(at) {
+                self.store_swa(now, machine, key, r.class);
+            }
+            if r.output_tokens <= 1 {
+                self.complete(now, i);
+                continue;
+            }
+            let bytes =
+                u64::from(r.prompt_tokens) * u64::from(c.kv_bytes_per_token) + c.swa_state_bytes();
+            let m = machine.0 as usize;
+            let start = self.handoff_busy[m].max(now);
+            self.handoff_busy[m] = start
+                + Nanos::from_secs_f64(
+                    bytes as f64 / self.cfg.links.handoff_bytes_per_s_per_machine,
+                );
+            self.q.push(
+                self.handoff_busy[m] + self.cfg.links.handoff_latency,
+                Ev::Handoff(i as u32),
+            );
+        }
+        self.finished_jobs = done;
+        self.pull_all(now);
+        self.start_prefill(now, e);
+    }
+
+    fn store_swa(&mut self, now: Nanos, machine: MachineId, key: BlockKey, class: TrafficClass) {
+        match self.cfg.hit_policy.swa_source() {
+            SwaSource::HostCache => self.swa.store(now, machine, key),
+            SwaSource::BlockStore => {
+                self.store.put(
+                    now,
+                    Self::swa_key(key),
+                    self.cfg.constants.swa_state_bytes(),
+                    class,
+                );
+            }
+            SwaSource::NotNeeded => {}
+        }
+    }
+
+    fn handoff(&mut self, now: Nanos, i: usize) {
+        let r = &self.reqs[i];
+        let (g, rank) = self.dlb.pick(&self.groups, u64::from(r.context_tokens()));
+        self.state[i].decode_group = g as u32;
+        // The first token came from prefill; decode holds prompt + 1 and emits the rest.
+        if self.groups[g]
+            .admit(
+                rank,
+                RequestId(i as u64),
+                r.prompt_tokens + 1,
+                r.output_tokens - 1,
+            )
+            .is_err()
+        {
+            self.reject(i, Rejection::DecodeQueueFull);
+            return;
+        }
+        if !self.decode[g].in_flight {
+            self.start_decode(now, g);
+        }
+    }
+
+    /// Starts group `g`'s next step at `now` (building its plan unless async already did).
+    fn start_decode(&mut self, now: Nanos, g: usize) {
+        let d = &mut self.decode[g];
+        let group = &mut self.groups[g];
+        if d.next_built {
+            d.plans.swap(0, 1);
+            d.next_built = false;
+        } else {
+            let StepPlan::Decode(p) = &mut d.plans[0] else {
+                unreachable!("decode plan")
+            };
+            group.plan_step(p);
+        }
+        let StepPlan::Decode(p) = &d.plans[0] else {
+            unreachable!("decode plan")
+        };
+        if p.seqs.is_empty() {
+            d.in_flight = false;
+            return;
+        }
+        d.in_flight = true;
+        self.backend.execute(now, &d.plans[0], &mut d.report);
+        let dur = d.report.duration;
+        let s = &mut self.decode_stats[g];
+        s.busy_ns += dur.0;
+        s.steps += 1;
+        s.batch += p.seqs.len() as u64;
+        let cap = self.cfg.decode.kv_capacity_tokens_per_rank as f64 * f64::from(group.ranks());
+        let kv: u64 = (0..group.ranks()).map(|r| group.rank_occupancy(r).1).sum();
+        s.kv_weighted += kv as f64 / cap * dur.0 as f64;
+        self.cur_kv += kv as f64 / cap * dur.0 as f64;
+        self.cur_decode_seq_steps += p.seqs.len() as u64;
+        self.cur_decode_steps += u64::from(group.ranks());
+        self.verified += d
+            .report
+            .seqs
+            .iter()
+            .map(|o| u64::from(o.verified))
+            .sum::<u64>();
+        self.q.push(now + dur, Ev::DecodeDone(g as u32));
+    }
+
+    fn decode_done(&mut self, now: Nanos, g: usize) {
+        let asynchronous = self.cfg.decode.scheduling == Scheduling::Async;
+        {
+            let d = &mut self.decode[g];
+            let group = &mut self.groups[g];
+            if asynchronous {
+                // The CPU built step N+1 while step N ran, before knowing N's acceptances.
+                let StepPlan::Decode(p) = &mut d.plans[1] else {
+                    unreachable!("decode plan")
+                };
+                group.plan_step(p);
+                d.next_built = !p.seqs.is_empty();
+            }
+            let StepPlan::Decode(p) = &d.plans[0] else {
+                unreachable!("decode plan")
+            };
+            group.apply_report(p, &d.report, &mut self.emissions);
+        }
+        let emissions = std::mem::take(&mut self.emissions);
+        for e in &emissions {
+            let i = e.request.0 as usize;
+            let st = &mut self.state[i];
+            let gap = now - st.last_token;
+            st.max_gap = st.max_gap.max(gap);
+            st.last_token = now;
+            st.emitted += e.tokens;
+            self.decode_stats[g].tokens += u64::from(e.tokens);
+            self.cur_decode_tokens += u64::from(e.tokens);
+            self.seq_steps += 1;
+            if self.reqs[i].arrival >= self.cfg.warmup {
+                self.lat.gap_ns.record(gap.0);
+                self.tokens[3] += u64::from(e.tokens);
+            }
+            if e.finished {
+                self.complete(now, i);
+            }
+        }
+        self.emissions = emissions;
+        self.decode[g].in_flight = false;
+        let start = if asynchronous {
+            now
+        } else {
+            now + self.backend.profile().transfer.sync_gap
+        };
+        self.start_decode(start, g);
+    }
+
+    fn complete(&mut self, now: Nanos, i: usize) {
+        let r = &self.reqs[i];
+        let c = &self.cfg.constants;
+        self.state[i].status = Status::Done;
+        self.pending -= 1;
+        self.completed += 1;
+        self.cur.completions += 1;
+        if r.output_tokens > 1 {
+            self.write_blocks(now, r, r.context_tokens());
+            let at = (r.context_tokens() / c.block_tokens) * c.block_tokens;
+            let machine = self
+                .cfg
+                .prefill
+                .gpus
+                .div_ceil(self.cfg.prefill.gpus_per_machine)
+                + self.decode[self.state[i].decode_group as usize].first_rank_gpu
+                    / self.cfg.decode.gpus_per_machine;
+            if let Some(key) = r.key_at(at) {
+                self.store_swa(now, MachineId(machine), key, r.class);
+            }
+        }
+        if self.cfg.hit_policy.uses_perfect_cache() {
+            self.perfect.record_output(r);
+        }
+        if self.measured(i) {
+            let st = self.state[i];
+            self.measured += 1;
+            self.measured_first = self.measured_first.min(r.arrival);
+            self.measured_last = self.measured_last.max(now);
+            let ttft = st.first_token - r.arrival;
+            let e2e = st.last_token - r.arrival;
+            let queue = st.first_step - r.arrival;
+            for l in [&mut self.lat, &mut self.lat_class[r.class.index()]] {
+                l.ttft_ns.record(ttft.0);
+                l.e2e_ns.record(e2e.0);
+                l.queue_ns.record(queue.0);
+                if r.output_tokens > 1 {
+                    l.tpot_ns.record(
+                        (st.last_token - st.first_token).0 / u64::from(r.output_tokens - 1),
+                    );
+                }
+            }
+            self.tokens[0] += u64::from(r.prompt_tokens);
+            self.tokens[1] += u64::from(st.hit_tokens);
+            self.tokens[2] += u64::from(st.encoder_tokens);
+        }
+        self.sample_row(i);
+    }
+
+    fn sample_row(&mut self, i: usize) {
+        if !i.is_multiple_of(self.cfg.sample_every as usize) {
+            return;
+        }
+        let r = &self.reqs[i];
+        let st = self.state[i];
+        let done = st.status == Status::Done;
+        let ms = |n: Nanos| n.as_millis_f64();
+        self.rows.push(RequestRow {
+            request: r.id.0,
+            class: r.class.name(),
+            arrival_s: r.arrival.as_secs_f64(),
+            prompt_tokens: r.prompt_tokens,
+            output_tokens: r.output_tokens,
+            hit_tokens: st.hit_tokens,
+            outcome: match st.status {
+                Status::Done => "completed",
+                Status::Rejected(why) => why.name(),
+                Status::Pending => "pending",
+            },
+            queue_ms: if done {
+                ms(st.first_step - r.arrival)
+            } else {
+                f64::NAN
+            },
+            ttft_ms: if done {
+                ms(st.first_token - r.arrival)
+            } else {
+                f64::NAN
+            },
+            tpot_ms: if done && r.output_tokens > 1 {
+                ms(st.last_token - st.first_token) / f64::from(r.output_tokens - 1)
+            } else {
+                f64::NAN
+            },
+            max_gap_ms: if done { ms(st.max_gap) } else { f64::NAN },
+            e2e_s: if done {
+                (st.last_token - r.arrival).as_secs_f64()
+            } else {
+                f64::NAN
+            },
+        });
+    }
+
+    fn tick(&mut self, now: Nanos) {
+        let dt = self.cfg.series_interval.as_secs_f64();
+        let decode_gpus = f64::from(self.cfg.decode.groups * self.cfg.decode.ranks);
+        let prefill_gpus = f64::from(self.cfg.prefill.gpus);
+        let busy_ns = dt * 1e9;
+        let mut row = std::mem::take(&mut self.cur);
+        row.t_s = now.as_secs_f64();
+        row.prefill_tokens_per_s_per_gpu = self.cur_prefill_tokens as f64 / dt / prefill_gpus;
+        row.decode_tokens_per_s_per_gpu = self.cur_decode_tokens as f64 / dt / decode_gpus;
+        row.prefill_busy = self.cur_prefill_busy as f64 / busy_ns / prefill_gpus;
+        row.decode_seqs_per_rank =
+            self.cur_decode_seq_steps as f64 / self.cur_decode_steps.max(1) as f64;
+        row.kv_occupancy = self.cur_kv / busy_ns / f64::from(self.cfg.decode.groups);
+        row.prefill_queued =
+            self.lb.queued() as u64 + self.prefill.iter().map(|e| e.jobs() as u64).sum::<u64>();
+        self.series.push(row);
+        self.cur_prefill_tokens = 0;
+        self.cur_decode_tokens = 0;
+        self.cur_prefill_busy = 0;
+        self.cur_decode_seq_steps = 0;
+        self.cur_decode_steps = 0;
+        self.cur_kv = 0.0;
+    }
+
+    fn finish(self) -> Result<ServiceReport, ConfigError> {
+        let fail = |why: String| Err(ConfigError::invalid("invariant", why));
+        let arrivals = self.reqs.len() as u64;
+        let rejected: u64 = self.rejected.iter().sum();
+        if let Some(i) = self.state.iter().position(|s| s.status == Status::Pending) {
+            return fail(format!(
+                "request {} neither completed nor rejected",
+                self.reqs[i].id
+            ));
+        }
+        if self.completed + rejected != arrivals || self.pending != 0 {
+            return fail(format!(
+                "{arrivals} arrivals but {} completed + {rejected} rejected",
+                self.completed
+            ));
+        }
+        for g in &self.groups {
+            g.check_invariants()
+                .map_err(|e| ConfigError::invalid("invariant", e))?;
+            if !g.is_idle() {
+                return fail("a decode group still holds sequences".into());
+            }
+        }
+        if self.prefill.iter().any(|e| e.jobs() > 0) || self.lb.queued() > 0 {
+            return fail("prefill work left over".into());
+        }
+        self.swa
+            .check_invariants()
+            .map_err(|e| ConfigError::invalid("invariant", e))?;
+        self.store
+            .check_invariants()
+            .map_err(|e| ConfigError::invalid("invariant", e))?;
+        let end = self.q.now();
+        let span = (self.measured_last - self.measured_first)
+            .as_secs_f64()
+            .max(1e-9);
+        let prefill_gpus = f64::from(self.cfg.prefill.gpus);
+        let decode_gpus = f64::from(self.cfg.decode.groups * self.cfg.decode.ranks);
+        let total_busy_p: u64 = self.prefill_stats.iter().map(|s| s.busy_ns).sum();
+        let total_busy_d: u64 = self.decode_stats.iter().map(|s| s.busy_ns).sum();
+        let total_tok_p: u64 = self.prefill_stats.iter().map(|s| s.tokens).sum();
+        let total_tok_d: u64 = self.decode_stats.iter().map(|s| s.tokens).sum();
+        let seqs: u64 = self.decode_stats.iter().map(|s| s.batch).sum();
+        let steps: u64 = self.decode_stats.iter().map(|s| s.steps).sum();
+        let t = end.as_secs_f64().max(1e-9);
+        let mut engines = Vec::new();
+        for (i, s) in self.prefill_stats.iter().enumerate() {
+            engines.push(EngineRow {
+                pool: "prefill",
+                engine: i as u32,
+                utilisation: s.busy_ns as f64 / (t * 1e9),
+                tokens_per_s_per_gpu: s.tokens as f64 / t,
+                steps: s.steps,
+                mean_batch: s.batch as f64 / s.steps.max(1) as f64,
+                mean_kv_occupancy: f64::NAN,
+            });
+        }
+        for (i, s) in self.decode_stats.iter().enumerate() {
+            let ranks = f64::from(self.cfg.decode.ranks);
+            engines.push(EngineRow {
+                pool: "decode",
+                engine: i as u32,
+                utilisation: s.busy_ns as f64 / (t * 1e9),
+                tokens_per_s_per_gpu: s.tokens as f64 / t / ranks,
+                steps: s.steps,
+                mean_batch: s.batch as f64 / s.steps.max(1) as f64 / ranks,
+                mean_kv_occupancy: s.kv_weighted / s.busy_ns.max(1) as f64,
+            });
+        }
+        let swa = self.swa.stats();
+        Ok(ServiceReport {
+            arrivals,
+            completed: self.completed,
+            rejected: Rejection::ALL
+                .iter()
+                .map(|r| (r.name(), self.rejected[*r as usize]))
+                .collect(),
+            measured_requests: self.measured,
+            measured_span_s: span,
+            simulated_s: t,
+            events: self.q.popped(),
+            by_class: TrafficClass::ALL
+                .iter()
+                .map(|c| (c.name(), self.lat_class[c.index()].clone()))
+                .collect(),
+            all: self.lat,
+            input_tokens: self.tokens[0],
+            hit_tokens: self.tokens[1],
+            encoder_tokens: self.tokens[2],
+            output_tokens: self.tokens[3],
+            // Busy-time rates: what a GPU delivers while it works (the published figures are
+            // per busy GPU), alongside utilisation.
+            prefill_tokens_per_s_per_gpu: total_tok_p as f64 / (total_busy_p.max(1) as f64 / 1e9),
+            decode_tokens_per_s_per_gpu: total_tok_d as f64
+                / (total_busy_d.max(1) as f64 / 1e9)
+                / f64::from(self.cfg.decode.ranks),
+            decode_seqs_per_rank: seqs as f64
+                / steps.max(1) as f64
+                / f64::from(self.cfg.decode.ranks),
+            verified_drafts_per_seq_step: self.verified as f64 / seqs.max(1) as f64,
+            accepted_length: total_tok_d as f64 / self.seq_steps.max(1) as f64,
+            prefill_utilisation: total_busy_p as f64 / (t * 1e9) / prefill_gpus,
+            decode_utilisation: total_busy_d as f64
+                / (t * 1e9)
+                / (decode_gpus / f64::from(self.cfg.decode.ranks)),
+            swa_hit_rate: swa.hits as f64 / swa.lookups.max(1) as f64,
+            store_used_bytes: self.store.used_bytes(),
+            full_prefix_lookups: self.full_lookups,
+            memo_prefix_lookups: self.memo_lookups,
+            requests: self.rows,
+            series: self.series,
+            engines,
+        })
+    }
+}
