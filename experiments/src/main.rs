@@ -32,6 +32,8 @@ enum Command {
     Eplb(cmd::eplb::Args),
     /// Economics of SPEC §12: revenue, pool sizes and the storage band.
     Econ(cmd::econ::Args),
+    /// Capacity planning: the fewest prefill and decode GPUs meeting SLOs, and the store size.
+    Plan(cmd::plan::Args),
 }
 
 fn main() -> ExitCode {
@@ -42,6 +44,7 @@ fn main() -> ExitCode {
         Command::Replay(a) => cmd::replay::run(a),
         Command::Eplb(a) => cmd::eplb::run(a),
         Command::Econ(a) => cmd::econ::run(a),
+        Command::Plan(a) => cmd::plan::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -50,7 +50,7 @@ pub fn run(a: Args) -> Result<()> {
             a.prompt_len
         );
     }
-    if a.cached_tokens % c.block_tokens != 0 {
+    if !a.cached_tokens.is_multiple_of(c.block_tokens) {
         bail!(
             "--cached-tokens ({}) must be a whole number of {}-token blocks",
             a.cached_tokens,
@@ -60,7 +60,7 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(p) = a
         .swa_at
         .iter()
-        .find(|&&p| p % c.block_tokens != 0 || p == 0)
+        .find(|&&p| !p.is_multiple_of(c.block_tokens) || p == 0)
     {
         bail!(
             "--swa-at: {p} is not a positive multiple of the {}-token block",

@@ -2,5 +2,6 @@
 pub mod econ;
 pub mod eplb;
 pub mod hit;
+pub mod plan;
 pub mod replay;
 pub mod run;

@@ -43,6 +43,7 @@ pub fn run(args: Args) -> Result<()> {
         "dspark" => exp::dspark::run(&ctx),
         "econ-sweep" => exp::econ::run(&ctx),
         "eplb" => exp::eplb::run(&ctx),
+        "plan" => exp::plan::run(&ctx),
         "service" => exp::service::run(&ctx),
         other => bail!(
             "{}: unknown experiment kind `{other}` (known: {})",

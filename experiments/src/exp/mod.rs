@@ -7,9 +7,17 @@ pub mod cache_policy;
 pub mod dspark;
 pub mod econ;
 pub mod eplb;
+pub mod plan;
 pub mod service;
 
-pub const KINDS: &[&str] = &["cache-policy", "dspark", "econ-sweep", "eplb", "service"];
+pub const KINDS: &[&str] = &[
+    "cache-policy",
+    "dspark",
+    "econ-sweep",
+    "eplb",
+    "plan",
+    "service",
+];
 
 pub struct RunContext {
     pub config: LoadedConfig,
