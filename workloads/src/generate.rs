@@ -383,6 +383,13 @@ impl Epoch {
     }
 }
 
+/// System prompt lengths are a property of the prompt, not of the session: drawn once per
+/// prompt from their own stream.
+fn system_prompt_lengths(n: u32, dist: &Dist, seed: u64) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
+    (0..n).map(|_| dist.tokens(&mut rng, 1)).collect()
+}
+
 fn system_segment(tag: &str, k: u64) -> SegmentId {
     SegmentId(hash2(sub_seed(0, tag), k))
 }
@@ -396,11 +403,7 @@ fn gen_agent(
     out: &mut Vec<Draft>,
 ) {
     let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
-    // System prompt lengths are a property of the prompt, not of the session.
-    let mut sys_rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
-    let sys_len: Vec<u32> = (0..c.system_prompts)
-        .map(|_| c.system_prompt_tokens.tokens(&mut sys_rng, 1))
-        .collect();
+    let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     for (si, &start) in starts.iter().enumerate() {
         let session = *next_session;
         *next_session += 1;
@@ -455,10 +458,7 @@ fn gen_chat(
     out: &mut Vec<Draft>,
 ) {
     let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
-    let mut sys_rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
-    let sys_len: Vec<u32> = (0..c.system_prompts)
-        .map(|_| c.system_prompt_tokens.tokens(&mut sys_rng, 1))
-        .collect();
+    let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     for (si, &start) in starts.iter().enumerate() {
         let session = *next_session;
         *next_session += 1;
@@ -494,10 +494,7 @@ fn gen_documents(
     out: &mut Vec<Draft>,
 ) {
     let starts = poisson_starts(c.requests, c.rate_per_s, hash2(seed, 0xa5), diurnal);
-    let mut sys_rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
-    let sys_len: Vec<u32> = (0..c.system_prompts)
-        .map(|_| c.system_prompt_tokens.tokens(&mut sys_rng, 1))
-        .collect();
+    let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     // Documents seen so far: (segment, tokens, system prompt it was sent with).
     let mut seen: Vec<(SegmentId, u32, usize)> = Vec::new();
     let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0xd0));
