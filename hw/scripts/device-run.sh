@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [speed args...]
 # Writes (at most 8 files, the device tool's limit) to $OUT (or ./gpu-out when unset):
-# env.txt, tests.log, test-report.md/.json, speed.md/.json.
+# env.txt, tests.log, test-report.md, speed.md, backend-check.md, h200-measured.toml and
+# json.tgz (test-report.json, speed.json, backend-check.json, h200-measured.sweep.json).
+# SKIP_SPEED=1 / SKIP_CALIBRATE=1 / SKIP_CHECK=1 skip those parts.
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -43,4 +45,15 @@ if [[ "${SKIP_SPEED:-0}" != 1 ]]; then
   timeout 300 "$b/servelab-gpu" speed --out "$out" --date "$date_utc" "$@" > /dev/null || status=1
   cat "$out/speed.md" 2>/dev/null
 fi
+commit=$(cat "$b/commit" 2>/dev/null || echo unknown)
+if [[ "${SKIP_CHECK:-0}" != 1 ]]; then
+  timeout 300 "$b/servelab-gpu" backend-check --out "$out" || status=1
+fi
+if [[ "${SKIP_CALIBRATE:-0}" != 1 ]]; then
+  timeout 400 "$b/servelab-gpu" calibrate --out "$out/h200-measured.toml" \
+    --date "$date_utc" --commit "$commit" \
+    --driver "$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)" \
+    > /dev/null || status=1
+fi
+(cd "$out" && tar czf json.tgz --remove-files $(ls *.json 2>/dev/null) 2>/dev/null)
 exit $status

@@ -2,6 +2,9 @@
 //! later, the engine backend. The `servelab-gpu` binary runs these on a GPU machine without the
 //! main binary (which needs polars).
 
+pub mod backend;
+pub mod calibrate;
+pub mod checks;
 pub mod report;
 pub mod speed;
 pub mod timing;

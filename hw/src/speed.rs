@@ -9,8 +9,8 @@ use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use servelab_kernels::attention::{
-    AttentionKernel, KvLayout, PagedAttention, PagedAttentionShape, QueryRows, random_tables,
-    tiled_tile,
+    AttentionKernel, KvLayout, MmaConfig, PagedAttention, PagedAttentionShape, QueryRows,
+    mma_config, random_tables, tiled_tile,
 };
 use servelab_kernels::fill::{fill_uniform_bf16, gather_blocks_raw};
 use servelab_kernels::gemm::linear_bf16;
@@ -228,6 +228,43 @@ pub fn measure_decode(
 ) -> Result<Rate, KernelError> {
     let mut att = PagedAttention::new(gpu, shape)?;
     att.set_kernel(kernel)?;
+    // The tensor-core kernel's tiles are swept too (each variant is one NVRTC compile).
+    let tile_options: Vec<Option<MmaConfig>> = match (kernel, att.mma_tiles()) {
+        (AttentionKernel::Mma, Some(default)) => {
+            let mut v = vec![Some(default)];
+            for (keys_per_tile, stages, warps, min_blocks, swizzle, l2_prefetch) in [
+                (16, 2, 16, 1, false, false),
+                (16, 3, 16, 1, true, false),
+                (16, 3, 16, 1, true, true),
+                (16, 2, 16, 1, true, true),
+                (16, 4, 12, 1, true, false),
+                (16, 3, 8, 2, true, false),
+                (16, 3, 8, 1, true, false),
+                (16, 4, 8, 1, true, false),
+                (32, 2, 8, 1, true, false),
+                (16, 2, 8, 2, false, false),
+                (16, 2, 4, 2, true, false),
+            ] {
+                let c = MmaConfig {
+                    keys_per_tile,
+                    stages,
+                    warps,
+                    min_blocks,
+                    swizzle,
+                    l2_prefetch,
+                };
+                // every block the launch bounds ask for must fit in the SM's shared memory
+                if c != default
+                    && c.validate_for(&shape)
+                    && c.smem_bytes(&shape) * min_blocks <= 227 * 1024
+                {
+                    v.push(Some(c));
+                }
+            }
+            v
+        }
+        _ => vec![None],
+    };
     let blocks_per_seq = context.div_ceil(shape.block_size);
     let num_blocks = seqs * blocks_per_seq;
     let layout = KvLayout::packed(&shape, num_blocks);
@@ -244,26 +281,55 @@ pub fn measure_decode(
     let kv_bytes = (seqs * context * shape.num_kv_heads * shape.d_qk * 2) as f64;
     // Sweep the split size: the default heuristic and fixed sizes; report the best.
     let default_tps = att.default_tokens_per_split(&d_rows);
-    let mut best: Option<(usize, Timing)> = None;
+    // (tokens per split, tiles, timing, (registers, local bytes))
+    type Best = (usize, Option<MmaConfig>, Timing, (i32, i32));
+    let mut best: Option<Best> = None;
     let mut tried = Vec::new();
-    for tps in [default_tps, 256, 512, 1024, 2048] {
-        if tried.contains(&tps) {
-            continue;
+    for tiles in &tile_options {
+        if let Some(c) = tiles {
+            att.set_mma_tiles(gpu, *c)?;
         }
-        let mut ws = att.workspace(gpu, &d_rows, tps)?;
-        let kvv = kv.as_view();
-        let t = time_ms(gpu, 2, reps, || {
-            att.run(
-                gpu, &q, &kvv, &layout, &d_rows, tps, &mut ws, scale, &mut out,
-            )
-        })?;
-        tried.push(tps);
-        if best.as_ref().is_none_or(|(_, b)| t.median_ms < b.median_ms) {
-            best = Some((tps, t));
+        let resources = att.split_resources();
+        for tps in [default_tps, 256, 512, 1024, 2048] {
+            if tried.contains(&(tps, *tiles)) {
+                continue;
+            }
+            let mut ws = att.workspace(gpu, &d_rows, tps)?;
+            let kvv = kv.as_view();
+            let t = time_ms(gpu, 2, reps, || {
+                att.run(
+                    gpu, &q, &kvv, &layout, &d_rows, tps, &mut ws, scale, &mut out,
+                )
+            })?;
+            tried.push((tps, *tiles));
+            if best
+                .as_ref()
+                .is_none_or(|(_, _, b, _)| t.median_ms < b.median_ms)
+            {
+                best = Some((tps, *tiles, t, resources));
+            }
         }
     }
-    let (tps, t) = best.expect("at least one split size");
-    let (regs, local) = att.split_resources();
+    let (tps, tiles, t, (regs, local)) = best.expect("at least one split size");
+    let tried_tps: Vec<usize> = {
+        let mut v: Vec<usize> = tried.iter().map(|(t, _)| *t).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let tiles_note = match tiles {
+        Some(c) => format!(
+            "; best tiles {} keys x {} stages x {} warps, {} blocks/SM bound, swizzle {}, L2 prefetch {}, of {} tried",
+            c.keys_per_tile,
+            c.stages,
+            c.warps,
+            c.min_blocks,
+            c.swizzle,
+            c.l2_prefetch,
+            tile_options.len()
+        ),
+        None => String::new(),
+    };
     let rate = gbps(kv_bytes, &t);
     Ok(Rate {
         what: format!(
@@ -276,7 +342,7 @@ pub fn measure_decode(
         unit: "GB/s",
         ratio: Some(rate / copy_gbps),
         note: format!(
-            "KV bytes read; best tokens/split {tps} of {tried:?} (default {default_tps}); split kernel {regs} regs, {local} B local"
+            "KV bytes read; best tokens/split {tps} of {tried_tps:?} (default {default_tps}){tiles_note}; split kernel {regs} regs, {local} B local"
         ),
     })
 }
@@ -515,6 +581,9 @@ pub fn run(
         let mut kernels = vec![AttentionKernel::Warp];
         if tiled_tile(shape).is_some() {
             kernels.push(AttentionKernel::Tiled);
+        }
+        if mma_config(shape).is_some() {
+            kernels.push(AttentionKernel::Mma);
         }
         for kernel in kernels {
             let r = measure_decode(

@@ -16,6 +16,9 @@ use crate::testdata::{ErrorStats, random_bf16, rng};
 
 const SRC: &str = include_str!("cuda/paged_attention.cu");
 const TILED_SRC: &str = include_str!("cuda/paged_attention_tiled.cu");
+const MMA_SRC: &str = include_str!("cuda/paged_attention_mma.cu");
+/// Opt-in shared memory per block on sm_90 (227 KiB).
+const MAX_DYNAMIC_SMEM: usize = 227 * 1024;
 const WARPS: usize = 4;
 const UNROLL: usize = 2;
 const REDUCE_THREADS: u32 = 128;
@@ -161,6 +164,19 @@ impl QueryRows {
         r
     }
 
+    /// Decode with verification: sequence `i` (table row `i`) has `kv_lens[i]` keys after this
+    /// step's `query_lens[i]` tokens were written; its token `j` sees
+    /// `[0, kv_lens[i] - query_lens[i] + j + 1)`.
+    pub fn decode_verify(kv_lens: &[usize], query_lens: &[usize]) -> Self {
+        let mut r = Self::default();
+        for (i, (&len, &n)) in kv_lens.iter().zip(query_lens).enumerate() {
+            for j in 0..n.min(len) {
+                r.push(i, 0, len - n.min(len) + j + 1);
+            }
+        }
+        r
+    }
+
     pub fn push(&mut self, table_row: usize, kv_start: usize, kv_end: usize) {
         self.table_row.push(table_row as i32);
         self.kv_start.push(kv_start as i32);
@@ -219,6 +235,33 @@ impl QueryRows {
         Ok(())
     }
 
+    /// Runs of consecutive causal rows of one sequence (same table row and start, ends rising
+    /// by one), at most `max_tokens` each: the query groups of the tensor-core kernel.
+    pub fn groups(&self, max_tokens: usize) -> Vec<QueryGroup> {
+        let mut out: Vec<QueryGroup> = Vec::new();
+        for i in 0..self.len() {
+            let (row, s, e) = (self.table_row[i], self.kv_start[i], self.kv_end[i]);
+            if let Some(g) = out.last_mut()
+                && g.table_row == row
+                && g.kv_start == s
+                && g.kv_end + 1 == e
+                && (g.len as usize) < max_tokens
+            {
+                g.kv_end = e;
+                g.len += 1;
+                continue;
+            }
+            out.push(QueryGroup {
+                table_row: row,
+                kv_start: s,
+                kv_end: e,
+                first_row: i as i32,
+                len: 1,
+            });
+        }
+        out
+    }
+
     fn max_len(&self) -> usize {
         self.kv_start
             .iter()
@@ -227,6 +270,18 @@ impl QueryRows {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// Consecutive query rows `first_row..first_row + len` of one sequence; row `first_row + j`
+/// sees `[kv_start, kv_end - (len - 1 - j))`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryGroup {
+    pub table_row: i32,
+    pub kv_start: i32,
+    /// Key range end of the group's last row.
+    pub kv_end: i32,
+    pub first_row: i32,
+    pub len: i32,
 }
 
 /// CPU reference in f64 over the bf16 inputs. `q` is `[rows, num_heads, d_qk]`; returns
@@ -289,6 +344,7 @@ pub fn paged_attention_cpu(
 
 /// Query rows, block tables and their key ranges on the device, validated on upload.
 pub struct DeviceRows {
+    groups: Option<DeviceGroups>,
     table_row: CudaSlice<i32>,
     kv_start: CudaSlice<i32>,
     kv_end: CudaSlice<i32>,
@@ -308,6 +364,18 @@ impl DeviceRows {
     pub fn total_len(&self) -> usize {
         self.total_len
     }
+}
+
+/// The query groups of the tensor-core kernel (struct of arrays).
+struct DeviceGroups {
+    row: CudaSlice<i32>,
+    start: CudaSlice<i32>,
+    end: CudaSlice<i32>,
+    q0: CudaSlice<i32>,
+    qn: CudaSlice<i32>,
+    count: usize,
+    /// Sum over groups of the keys the group reads.
+    total_len: usize,
 }
 
 /// Split partials: (max, sum, weighted values) per (row, head, split).
@@ -346,6 +414,148 @@ pub fn tiled_tile(shape: &PagedAttentionShape) -> Option<usize> {
     })
 }
 
+/// Tile parameters of the tensor-core kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MmaConfig {
+    /// Keys per shared-memory tile (16 or 32).
+    pub keys_per_tile: usize,
+    /// Tiles in flight per warp (cp.async pipeline depth), at least 2.
+    pub stages: usize,
+    /// Warps per block (each one an independent split).
+    pub warps: usize,
+    /// Blocks per SM asked of the compiler (`__launch_bounds__`): caps registers so that many
+    /// warps keep tiles in flight.
+    pub min_blocks: usize,
+    /// XOR-swizzled unpadded shared rows instead of padded ones (`d_qk` a multiple of 64):
+    /// 20% less shared memory per tile at d 128, so more tiles fit in flight.
+    pub swizzle: bool,
+    /// `cp.async` with the L2 256-byte prefetch hint.
+    pub l2_prefetch: bool,
+}
+
+impl MmaConfig {
+    /// Padded shared-memory row (bf16 elements): row bytes / 4 ≡ 16 (mod 32) so that the eight
+    /// lanes of one 16-byte access phase (two keys × four chunks) fall in distinct banks.
+    pub fn padded_row(d_qk: usize) -> usize {
+        d_qk + (32 + 64 - d_qk % 64) % 64
+    }
+
+    /// Shared row of this configuration, bf16 elements.
+    pub fn row(&self, d_qk: usize) -> usize {
+        if self.swizzle {
+            d_qk
+        } else {
+            Self::padded_row(d_qk)
+        }
+    }
+
+    /// Dynamic shared memory of one block: Q (16 rows) plus every warp's tile ring.
+    pub fn smem_bytes(&self, shape: &PagedAttentionShape) -> usize {
+        (16 + self.warps * self.stages * self.keys_per_tile) * self.row(shape.d_qk) * 2
+    }
+
+    /// Query tokens per group: the 16 MMA rows hold `group` heads for each token.
+    pub fn query_tokens(shape: &PagedAttentionShape) -> usize {
+        (16 / shape.group).max(1)
+    }
+
+    /// Whether this configuration is valid for `shape`.
+    pub fn validate_for(&self, shape: &PagedAttentionShape) -> bool {
+        self.validate(shape).is_ok()
+    }
+
+    fn validate(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
+        ensure(matches!(self.keys_per_tile, 16 | 32), || {
+            format!("keys_per_tile = {} must be 16 or 32", self.keys_per_tile)
+        })?;
+        ensure(
+            self.stages >= 2 && self.warps >= 1 && self.warps <= 16,
+            || "stages must be >= 2 and warps in 1..=16".into(),
+        )?;
+        ensure(!self.swizzle || shape.d_qk.is_multiple_of(64), || {
+            format!("swizzled rows need d_qk % 64 == 0, not {}", shape.d_qk)
+        })?;
+        ensure((1..=16).contains(&self.min_blocks), || {
+            "min_blocks must be in 1..=16".into()
+        })?;
+        ensure(self.smem_bytes(shape) <= MAX_DYNAMIC_SMEM, || {
+            format!(
+                "{self:?} needs {} B of shared memory (limit {MAX_DYNAMIC_SMEM})",
+                self.smem_bytes(shape)
+            )
+        })
+    }
+}
+
+/// The tensor-core kernel's default tiles for `shape`, or `None` when it does not take the
+/// shape: widths must be multiples of 32, values at most 256 wide (the f32 output lives in
+/// registers), at most 16 query heads per KV head (one 16-row MMA tile).
+pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
+    if !(shape.d_qk.is_multiple_of(32)
+        && shape.d_v.is_multiple_of(32)
+        && shape.d_v <= 256
+        && shape.group <= 16)
+    {
+        return None;
+    }
+    // Measured best on the H200 (`servelab-gpu speed` sweeps the alternatives, 2026-11-29):
+    // many register-capped warps with a two-stage cp.async ring; at d 128 padded rows beat the
+    // swizzled three-stage ring (67.2% vs less), at d 256 the swizzled rows fit two blocks/SM.
+    let cfg = if shape.d_qk <= 128 {
+        MmaConfig {
+            keys_per_tile: 16,
+            stages: 2,
+            warps: 16,
+            min_blocks: 1,
+            swizzle: false,
+            l2_prefetch: false,
+        }
+    } else {
+        MmaConfig {
+            keys_per_tile: 16,
+            stages: 2,
+            warps: 4,
+            min_blocks: 2,
+            swizzle: shape.d_qk.is_multiple_of(64),
+            l2_prefetch: false,
+        }
+    };
+    let cfg = if cfg.validate(shape).is_ok() {
+        cfg
+    } else {
+        MmaConfig {
+            keys_per_tile: 16,
+            stages: 2,
+            warps: 4,
+            min_blocks: 1,
+            swizzle: false,
+            l2_prefetch: false,
+        }
+    };
+    cfg.validate(shape).ok().map(|_| cfg)
+}
+
+pub(crate) fn mma_defines(
+    shape: &PagedAttentionShape,
+    cfg: &MmaConfig,
+) -> Vec<(&'static str, usize)> {
+    vec![
+        ("D_QK", shape.d_qk),
+        ("D_V", shape.d_v),
+        ("GROUP", shape.group),
+        ("QT", MmaConfig::query_tokens(shape)),
+        ("TK", cfg.keys_per_tile),
+        ("STAGES", cfg.stages),
+        ("WARPS", cfg.warps),
+        ("MINB", cfg.min_blocks),
+        ("SWZ", cfg.swizzle as usize),
+        ("PF", cfg.l2_prefetch as usize),
+        ("ROWP", cfg.row(shape.d_qk)),
+    ]
+}
+
+pub(crate) const MMA_SOURCE: &str = MMA_SRC;
+
 /// Which split kernel runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum AttentionKernel {
@@ -353,6 +563,8 @@ pub enum AttentionKernel {
     Warp,
     /// Shared-memory tiles; online softmax per tile (see [`tiled_tile`] for the shapes it takes).
     Tiled,
+    /// Tensor cores (mma.sync m16n8k16) over cp.async-staged tiles (see [`mma_config`]).
+    Mma,
 }
 
 /// The source compiled for one shape: the warp kernel, reduce and write, plus the tiled kernel
@@ -370,6 +582,7 @@ pub struct PagedAttention {
     pub shape: PagedAttentionShape,
     split: CudaFunction,
     tiled: Option<CudaFunction>,
+    mma: Option<(CudaFunction, MmaConfig)>,
     kernel: AttentionKernel,
     reduce: CudaFunction,
     write: CudaFunction,
@@ -399,7 +612,13 @@ impl PagedAttention {
             f.next().expect("write"),
         );
         let tiled = f.next();
-        let kernel = if tiled.is_some() {
+        let mma = match mma_config(&shape) {
+            Some(cfg) => Some((load_mma(gpu, &shape, &cfg)?, cfg)),
+            None => None,
+        };
+        let kernel = if mma.is_some() {
+            AttentionKernel::Mma
+        } else if tiled.is_some() {
             AttentionKernel::Tiled
         } else {
             AttentionKernel::Warp
@@ -415,6 +634,7 @@ impl PagedAttention {
             shape,
             split,
             tiled,
+            mma,
             kernel,
             reduce,
             write,
@@ -437,18 +657,53 @@ impl PagedAttention {
         self.kernel
     }
 
-    /// Selects the split kernel; `Tiled` is an error for shapes it does not take.
+    /// Selects the split kernel; `Tiled` or `Mma` is an error for shapes it does not take.
     pub fn set_kernel(&mut self, k: AttentionKernel) -> Result<(), KernelError> {
-        ensure(k == AttentionKernel::Warp || self.tiled.is_some(), || {
-            format!("the tiled kernel does not take {:?}", self.shape)
+        let ok = match k {
+            AttentionKernel::Warp => true,
+            AttentionKernel::Tiled => self.tiled.is_some(),
+            AttentionKernel::Mma => self.mma.is_some(),
+        };
+        ensure(ok, || {
+            format!("the {k:?} kernel does not take {:?}", self.shape)
         })?;
         self.kernel = k;
         Ok(())
     }
 
+    /// Kernels this shape can run, fastest first.
+    pub fn available_kernels(&self) -> Vec<AttentionKernel> {
+        let mut v = Vec::new();
+        if self.mma.is_some() {
+            v.push(AttentionKernel::Mma);
+        }
+        if self.tiled.is_some() {
+            v.push(AttentionKernel::Tiled);
+        }
+        v.push(AttentionKernel::Warp);
+        v
+    }
+
+    /// The tensor-core kernel's tiles, if the shape takes it.
+    pub fn mma_tiles(&self) -> Option<MmaConfig> {
+        self.mma.as_ref().map(|(_, c)| *c)
+    }
+
+    /// Recompiles the tensor-core kernel with other tiles (and selects it).
+    pub fn set_mma_tiles(&mut self, gpu: &GpuContext, cfg: MmaConfig) -> Result<(), KernelError> {
+        ensure(mma_config(&self.shape).is_some(), || {
+            format!("the Mma kernel does not take {:?}", self.shape)
+        })?;
+        cfg.validate(&self.shape)?;
+        self.mma = Some((load_mma(gpu, &self.shape, &cfg)?, cfg));
+        self.kernel = AttentionKernel::Mma;
+        Ok(())
+    }
+
     fn split_fn(&self) -> &CudaFunction {
-        match (&self.kernel, &self.tiled) {
-            (AttentionKernel::Tiled, Some(f)) => f,
+        match (&self.kernel, &self.tiled, &self.mma) {
+            (AttentionKernel::Tiled, Some(f), _) => f,
+            (AttentionKernel::Mma, _, Some((f, _))) => f,
             _ => &self.split,
         }
     }
@@ -464,7 +719,26 @@ impl PagedAttention {
         rows.validate(&self.shape, layout, tables)?;
         let s = &gpu.stream;
         let nonempty = |v: &[i32]| if v.is_empty() { vec![0] } else { v.to_vec() };
+        let groups = if self.mma.is_some() {
+            let g = rows.groups(MmaConfig::query_tokens(&self.shape));
+            let col = |f: fn(&QueryGroup) -> i32| nonempty(&g.iter().map(f).collect::<Vec<_>>());
+            Some(DeviceGroups {
+                row: s.clone_htod(&col(|g| g.table_row))?,
+                start: s.clone_htod(&col(|g| g.kv_start))?,
+                end: s.clone_htod(&col(|g| g.kv_end))?,
+                q0: s.clone_htod(&col(|g| g.first_row))?,
+                qn: s.clone_htod(&col(|g| g.len))?,
+                count: g.len(),
+                total_len: g
+                    .iter()
+                    .map(|g| (g.kv_end - g.kv_start).max(0) as usize)
+                    .sum(),
+            })
+        } else {
+            None
+        };
         Ok(DeviceRows {
+            groups,
             table_row: s.clone_htod(&nonempty(&rows.table_row))?,
             kv_start: s.clone_htod(&nonempty(&rows.kv_start))?,
             kv_end: s.clone_htod(&nonempty(&rows.kv_end))?,
@@ -482,9 +756,14 @@ impl PagedAttention {
     }
 
     /// Keys per warp: enough splits to give every SM ~16 warps, but at least 128 keys so the
-    /// partials stay small next to the keys read.
+    /// partials stay small next to the keys read. The tensor-core kernel reads each query
+    /// group's keys once, so its work is counted per group, not per row.
     pub fn default_tokens_per_split(&self, rows: &DeviceRows) -> usize {
-        let work = rows.total_len * self.shape.num_kv_heads;
+        let keys = match (&self.kernel, &rows.groups) {
+            (AttentionKernel::Mma, Some(g)) => g.total_len,
+            _ => rows.total_len,
+        };
+        let work = keys * self.shape.num_kv_heads;
         let target_warps = self.sm_count * 16;
         work.div_ceil(target_warps.max(1)).div_ceil(128).max(1) * 128
     }
@@ -548,23 +827,52 @@ impl PagedAttention {
             sh.block_size as i32,
         );
         let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                max_splits.div_ceil(WARPS) as u32,
-                rows.num_q as u32,
-                sh.num_kv_heads as u32,
-            ),
-            block_dim: ((WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
         let mut b = gpu.stream.launch_builder(self.split_fn());
-        b.arg(q)
-            .arg(kv)
-            .arg(&rows.tables)
-            .arg(&max_blocks)
-            .arg(&rows.table_row)
-            .arg(&rows.kv_start)
-            .arg(&rows.kv_end);
+        let cfg = match (&self.kernel, &self.mma, &rows.groups) {
+            (AttentionKernel::Mma, Some((_, mc)), Some(g)) => {
+                b.arg(q)
+                    .arg(kv)
+                    .arg(&rows.tables)
+                    .arg(&max_blocks)
+                    .arg(&g.row)
+                    .arg(&g.start)
+                    .arg(&g.end)
+                    .arg(&g.q0)
+                    .arg(&g.qn);
+                LaunchConfig {
+                    grid_dim: (
+                        max_splits.div_ceil(mc.warps) as u32,
+                        g.count as u32,
+                        sh.num_kv_heads as u32,
+                    ),
+                    block_dim: ((mc.warps * 32) as u32, 1, 1),
+                    shared_mem_bytes: mc.smem_bytes(sh) as u32,
+                }
+            }
+            (AttentionKernel::Mma, _, _) => {
+                return Err(KernelError::shape(
+                    "rows were uploaded without the tensor-core kernel's groups",
+                ));
+            }
+            _ => {
+                b.arg(q)
+                    .arg(kv)
+                    .arg(&rows.tables)
+                    .arg(&max_blocks)
+                    .arg(&rows.table_row)
+                    .arg(&rows.kv_start)
+                    .arg(&rows.kv_end);
+                LaunchConfig {
+                    grid_dim: (
+                        max_splits.div_ceil(WARPS) as u32,
+                        rows.num_q as u32,
+                        sh.num_kv_heads as u32,
+                    ),
+                    block_dim: ((WARPS * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                }
+            }
+        };
         b.arg(&block_stride)
             .arg(&row_stride)
             .arg(&kvh)
@@ -620,25 +928,74 @@ impl PagedAttention {
             return Ok(());
         }
         let d_slots = gpu.stream.clone_htod(slots)?;
+        // SAFETY: the host copy of the slots was checked against the pool just above.
+        unsafe { self.write_kv_unchecked(gpu, src, slots.len(), &d_slots, kv, layout) }
+    }
+
+    /// [`Self::write_kv`] with the slots already on the device (no host round trip).
+    ///
+    /// # Safety
+    /// Every slot in `d_slots[..n]` must be negative or inside the pool described by `layout`,
+    /// and `src` must hold `n` rows.
+    pub unsafe fn write_kv_unchecked(
+        &self,
+        gpu: &GpuContext,
+        src: &CudaSlice<bf16>,
+        n: usize,
+        d_slots: &CudaSlice<i64>,
+        kv: &mut CudaViewMut<'_, bf16>,
+        layout: &KvLayout,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
+        ensure(d_slots.len() >= n, || "slot array too short".into())?;
+        if n == 0 {
+            return Ok(());
+        }
+        layout.validate(sh)?;
+        ensure(src.len() >= n * sh.num_kv_heads * sh.d_qk, || {
+            "src is too short".into()
+        })?;
         let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
         let (kvh, bs) = (sh.num_kv_heads as i32, sh.block_size as i32);
         let cfg = LaunchConfig {
-            grid_dim: (slots.len() as u32, 1, 1),
+            grid_dim: (n as u32, 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = gpu.stream.launch_builder(&self.write);
         b.arg(src)
-            .arg(&d_slots)
+            .arg(d_slots)
             .arg(kv)
             .arg(&block_stride)
             .arg(&row_stride)
             .arg(&kvh)
             .arg(&bs);
-        // SAFETY: every slot was checked against the pool.
+        // SAFETY: the caller guarantees every slot is inside the pool.
         unsafe { b.launch(cfg) }?;
         Ok(())
     }
+}
+
+/// Compiles and loads the tensor-core kernel for `shape` with tiles `cfg`, raising its dynamic
+/// shared-memory limit.
+fn load_mma(
+    gpu: &GpuContext,
+    shape: &PagedAttentionShape,
+    cfg: &MmaConfig,
+) -> Result<CudaFunction, KernelError> {
+    let f = gpu
+        .functions(
+            "paged_attention_mma",
+            MMA_SRC,
+            &mma_defines(shape, cfg),
+            &["paged_attention_mma"],
+        )?
+        .remove(0);
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        cfg.smem_bytes(shape) as i32,
+    )?;
+    Ok(f)
 }
 
 /// CPU reference of [`PagedAttention::write_kv`].
@@ -675,16 +1032,27 @@ pub fn random_tables(seed: u64, rows: usize, max_blocks: usize, num_blocks: usiz
 }
 
 /// One GPU check: decode rows of ragged lengths, and a prefill chunk over a cached prefix.
+/// Which query rows a check uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CaseKind {
+    /// One token per sequence, ragged lengths.
+    Decode,
+    /// 1 + verified drafts tokens per sequence (causal inside the step).
+    Verify,
+    /// A prefill chunk over a cached prefix.
+    Prefill,
+}
+
 fn check_case(
     gpu: &GpuContext,
     seed: u64,
     shape: PagedAttentionShape,
-    decode: bool,
+    kind: CaseKind,
     kernel: AttentionKernel,
 ) -> Result<CheckResult, KernelError> {
     let mut r = rng(seed);
     let bs = shape.block_size;
-    let (rows, tables, num_blocks, what) = if decode {
+    let (rows, tables, num_blocks, what) = if kind == CaseKind::Decode {
         let lens = [1usize, bs - 1, bs, 3 * bs + 17, 5 * bs + 1, 0];
         let max_blocks = 6;
         let nb = lens.len() * max_blocks;
@@ -693,6 +1061,17 @@ fn check_case(
             random_tables(seed, lens.len(), max_blocks, nb),
             nb,
             format!("decode lens {lens:?}"),
+        )
+    } else if kind == CaseKind::Verify {
+        let lens = [6usize, bs + 3, 2 * bs, 4 * bs + 77];
+        let qlens = [6usize, 1, 4, 3];
+        let max_blocks = lens.iter().max().unwrap_or(&1).div_ceil(bs);
+        let nb = lens.len() * max_blocks;
+        (
+            QueryRows::decode_verify(&lens, &qlens),
+            random_tables(seed, lens.len(), max_blocks, nb),
+            nb,
+            format!("verify lens {lens:?} query tokens {qlens:?}"),
         )
     } else {
         let (prefix, chunk) = (2 * bs + 5, 37);
@@ -806,6 +1185,14 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
             d_v: 512,
             block_size: 128,
         },
+        // tensor-core kernel: 16 heads per KV head (one token per group)
+        PagedAttentionShape {
+            num_kv_heads: 1,
+            group: 16,
+            d_qk: 96,
+            d_v: 64,
+            block_size: 64,
+        },
         // takes the tiled kernel with 16-token tiles
         PagedAttentionShape {
             num_kv_heads: 4,
@@ -821,9 +1208,22 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         if tiled_tile(s).is_some() {
             kernels.push(AttentionKernel::Tiled);
         }
+        if mma_config(s).is_some() {
+            kernels.push(AttentionKernel::Mma);
+        }
         for k in kernels {
-            out.push(check_case(gpu, seed + 2 * i as u64, *s, true, k)?);
-            out.push(check_case(gpu, seed + 2 * i as u64 + 1, *s, false, k)?);
+            for (j, kind) in [CaseKind::Decode, CaseKind::Verify, CaseKind::Prefill]
+                .into_iter()
+                .enumerate()
+            {
+                out.push(check_case(
+                    gpu,
+                    seed + 3 * i as u64 + j as u64,
+                    *s,
+                    kind,
+                    k,
+                )?);
+            }
         }
     }
     out.push(check_write(gpu, seed + 100)?);
@@ -921,6 +1321,51 @@ mod tests {
         assert_eq!(tiled_tile(&s(2, 256, 256)), Some(16));
         assert_eq!(tiled_tile(&s(16, 576, 512)), None);
         assert_eq!(tiled_tile(&s(4, 128, 120)), None);
+    }
+
+    #[test]
+    fn verify_rows_group_by_sequence() {
+        let r = QueryRows::decode_verify(&[10, 3, 7], &[3, 1, 5]);
+        assert_eq!(r.kv_end, vec![8, 9, 10, 3, 3, 4, 5, 6, 7]);
+        let g = r.groups(4);
+        let lens: Vec<i32> = g.iter().map(|g| g.len).collect();
+        assert_eq!(lens, vec![3, 1, 4, 1]);
+        assert_eq!((g[2].first_row, g[2].kv_end), (4, 6));
+        assert_eq!((g[3].first_row, g[3].kv_end), (8, 7));
+        // every row lands in exactly one group, in order
+        let covered: i32 = g.iter().map(|g| g.len).sum();
+        assert_eq!(covered as usize, r.len());
+    }
+
+    #[test]
+    fn mma_kernel_takes_shapes_that_fit_its_tiles() {
+        let s = |group, d_qk, d_v| PagedAttentionShape {
+            num_kv_heads: 1,
+            group,
+            d_qk,
+            d_v,
+            block_size: 128,
+        };
+        assert!(mma_config(&s(4, 128, 128)).is_some());
+        assert!(mma_config(&s(2, 256, 256)).is_some());
+        assert!(mma_config(&s(16, 576, 512)).is_none());
+        assert!(mma_config(&s(32, 128, 128)).is_none());
+        assert!(mma_config(&s(4, 120, 120)).is_none());
+        let c = mma_config(&s(2, 256, 256)).unwrap();
+        assert!(c.swizzle && c.row(256) == 256);
+        let c96 = mma_config(&s(16, 96, 64)).unwrap();
+        assert!(
+            !c96.swizzle
+                && !MmaConfig {
+                    swizzle: true,
+                    ..c96
+                }
+                .validate_for(&s(16, 96, 64))
+        );
+        for d in [32usize, 64, 96, 128, 192, 256, 576] {
+            let row = MmaConfig::padded_row(d);
+            assert!(row >= d && (row / 2) % 32 == 16, "d={d} row={row}");
+        }
     }
 
     #[test]

@@ -58,6 +58,34 @@ pub unsafe fn gather_blocks_raw(
     if n == 0 {
         return Ok(());
     }
+    // SAFETY: forwarded from the caller.
+    unsafe { gather_blocks_on(gpu, &gpu.stream, src, src_ids, dst, dst_ids, n, block_bytes) }
+}
+
+/// [`gather_blocks_raw`] on another stream (a copy stream that overlaps compute).
+///
+/// # Safety
+/// As for [`gather_blocks_raw`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gather_blocks_on(
+    gpu: &GpuContext,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    src: CUdeviceptr,
+    src_ids: &CudaSlice<i32>,
+    dst: CUdeviceptr,
+    dst_ids: &CudaSlice<i32>,
+    n: usize,
+    block_bytes: usize,
+) -> Result<(), KernelError> {
+    ensure(block_bytes.is_multiple_of(16), || {
+        format!("block_bytes = {block_bytes} must be a multiple of 16")
+    })?;
+    ensure(src_ids.len() >= n && dst_ids.len() >= n, || {
+        "id arrays too short".into()
+    })?;
+    if n == 0 {
+        return Ok(());
+    }
     let f = gpu
         .functions("fill", SRC, &[], &["gather_blocks"])?
         .remove(0);
@@ -67,7 +95,7 @@ pub unsafe fn gather_blocks_raw(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = gpu.stream.launch_builder(&f);
+    let mut b = stream.launch_builder(&f);
     b.arg(&src).arg(src_ids).arg(&dst).arg(dst_ids).arg(&bb);
     // SAFETY: the caller guarantees the addresses and ids.
     unsafe { b.launch(cfg) }?;

@@ -34,6 +34,21 @@ pub fn linear_bf16<X: DevicePtr<bf16>, W: DevicePtr<bf16>, Y: DevicePtrMut<bf16>
     n: usize,
     k: usize,
 ) -> Result<(), KernelError> {
+    linear_bf16_beta(gpu, x, w, y, m, n, k, false)
+}
+
+/// y = x · Wᵀ, or y += x · Wᵀ when `accumulate` (a residual connection fused into the GEMM).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_bf16_beta<X: DevicePtr<bf16>, W: DevicePtr<bf16>, Y: DevicePtrMut<bf16>>(
+    gpu: &GpuContext,
+    x: &X,
+    w: &W,
+    y: &mut Y,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<(), KernelError> {
     ensure(
         x.len() >= m * k && w.len() >= n * k && y.len() >= m * n,
         || format!("buffers too short for {m}x{n}x{k}"),
@@ -53,7 +68,7 @@ pub fn linear_bf16<X: DevicePtr<bf16>, W: DevicePtr<bf16>, Y: DevicePtrMut<bf16>
         alpha: bf16::ONE,
         lda: k as i32,
         ldb: k as i32,
-        beta: bf16::ZERO,
+        beta: if accumulate { bf16::ONE } else { bf16::ZERO },
         ldc: n as i32,
     };
     // SAFETY: buffer lengths checked against the shape above.
@@ -70,11 +85,17 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         let mut r = rng(seed + i as u64);
         let x = random_bf16(&mut r, m * k, 1.0);
         let w = random_bf16(&mut r, n * k, 1.0);
-        let reference = linear_cpu(&x, &w, m, n, k);
+        let mut reference = linear_cpu(&x, &w, m, n, k);
         let s = &gpu.stream;
         let (dx, dw) = (s.clone_htod(&x)?, s.clone_htod(&w)?);
         let mut dy = s.clone_htod(&vec![bf16::NAN; m * n])?;
         linear_bf16(gpu, &dx, &dw, &mut dy, m, n, k)?;
+        // and accumulate a second product on top: y = 2 x Wᵀ (rounded once in between)
+        let first = s.clone_dtoh(&dy)?;
+        linear_bf16_beta(gpu, &dx, &dw, &mut dy, m, n, k, true)?;
+        for (r, f) in reference.iter_mut().zip(&first) {
+            *r += f.to_f64();
+        }
         let got: Vec<f64> = s.clone_dtoh(&dy)?.iter().map(|v| v.to_f64()).collect();
         out.push(CheckResult::from_stats(
             "gemm_bf16",

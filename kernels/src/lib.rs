@@ -16,6 +16,7 @@ pub mod gemm;
 pub mod gpu;
 pub mod moe;
 pub mod norm;
+pub mod ops;
 pub mod rope;
 pub mod sampling;
 pub mod sources;

@@ -60,6 +60,13 @@ pub fn all_variants() -> Vec<Variant> {
             crate::attention::source_for(&s),
             crate::attention::defines(&s).to_vec(),
         ));
+        if let Some(cfg) = crate::attention::mma_config(&s) {
+            v.push((
+                format!("paged_attention_mma {s:?}"),
+                crate::attention::MMA_SOURCE.to_string(),
+                crate::attention::mma_defines(&s, &cfg),
+            ));
+        }
     }
     let sw = crate::swa::SwaShape {
         num_kv_heads: 2,
@@ -77,6 +84,7 @@ pub fn all_variants() -> Vec<Variant> {
         ("rope", crate::rope::SRC),
         ("moe", crate::moe::SRC),
         ("sampling", crate::sampling::SRC),
+        ("ops", crate::ops::SRC),
     ] {
         v.push((name.to_string(), src.to_string(), Vec::new()));
     }

@@ -5,7 +5,7 @@
 //! `[H - 128, H)` with `trunc_start = H - 128` reads nothing below `H - 128`; with
 //! `trunc_start <= p - window + 1` for every query it is exact sliding-window attention.
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use crate::check::{BF16_TOL, CheckResult};
@@ -153,11 +153,11 @@ impl SwaAttention {
         &self,
         gpu: &GpuContext,
         range: &SwaRange,
-        q: &CudaSlice<bf16>,
-        k: &CudaSlice<bf16>,
-        v: &CudaSlice<bf16>,
+        q: &CudaView<'_, bf16>,
+        k: &CudaView<'_, bf16>,
+        v: &CudaView<'_, bf16>,
         scale: f32,
-        out: &mut CudaSlice<bf16>,
+        out: &mut CudaViewMut<'_, bf16>,
     ) -> Result<(), KernelError> {
         range.validate()?;
         let (h, d) = (self.shape.num_heads(), self.shape.head_dim);
@@ -261,7 +261,15 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         let s = &gpu.stream;
         let (dq, dk, dv) = (s.clone_htod(&q)?, s.clone_htod(&k)?, s.clone_htod(&v)?);
         let mut dout = s.clone_htod(&vec![bf16::NAN; reference.len()])?;
-        sw.run(gpu, range, &dq, &dk, &dv, scale as f32, &mut dout)?;
+        sw.run(
+            gpu,
+            range,
+            &dq.as_view(),
+            &dk.as_view(),
+            &dv.as_view(),
+            scale as f32,
+            &mut dout.as_view_mut(),
+        )?;
         let got: Vec<f64> = s.clone_dtoh(&dout)?.iter().map(|x| x.to_f64()).collect();
         out.push(CheckResult::from_stats(
             "swa_attention",

@@ -1,0 +1,644 @@
+//! The CUDA backend: executes the simulator's step plans on a GPU for the scaled-down model of
+//! [`model`], timing each plan with CUDA events.
+//!
+//! * Prefill chunks run the encoder over their new tokens (sliding-window attention continuing
+//!   from the sequence's SWA ring, or truncated at the chunk start when the ring does not hold
+//!   the window: encoder-side bounded replay), project the global KV and write it into the
+//!   paged HBM pool (128-token blocks, one block table row per sequence); a chunk with
+//!   `decoder_tokens > 0` then runs the decoder over the last `decoder_tokens` positions with
+//!   its SWA truncated at the replay start (decoder-side bounded replay) and cross-attention
+//!   over the whole global KV, computes the last token's logits and stores the SWA rings to a
+//!   host slot.
+//! * Decode steps run each sequence's 1 + verified drafts query tokens through both stacks
+//!   (SWA through the rings with the paged kernel, global KV causal inside the step) and the LM
+//!   head. The model is random, so acceptance cannot come from the logits: the accepted prefix
+//!   is a seeded draw where each verified draft is accepted with probability
+//!   [`BackendConfig::draft_acceptance`] while the prefix holds.
+//! * Blocks and rings move between HBM and pinned host memory ([`tiers`]); swap-ins run as a
+//!   gather kernel over mapped pinned memory on a copy stream that overlaps the encoder, and
+//!   join the compute stream before the decoder reads the global KV.
+//!
+//! Token ids are a hash of (seed, request, position): the plans carry no text.
+
+pub mod model;
+pub mod tiers;
+
+mod forward;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUevent_flags};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use servelab_core::ConfigError;
+use servelab_core::engine::plan::{
+    Backend, DecodePlan, PrefillPlan, RankOutcome, SeqOutcome, StepPlan, StepReport,
+};
+use servelab_core::seed::sub_seed;
+use servelab_core::time::Nanos;
+use servelab_kernels::attention::{KvLayout, PagedAttention, PagedAttentionShape};
+use servelab_kernels::fill::gather_blocks_on;
+use servelab_kernels::moe::MoeRouter;
+use servelab_kernels::norm::RmsNorm;
+use servelab_kernels::ops::Ops;
+use servelab_kernels::rope::{Rope, RopeShape};
+use servelab_kernels::sampling::Sampler;
+use servelab_kernels::swa::{SwaAttention, SwaShape};
+use servelab_kernels::{GpuContext, KernelError};
+
+pub use model::{ModelShape, ModelWeights};
+pub use tiers::{BlockLoc, Moves, TierError, Tiers};
+
+/// Sizes of the pools and the acceptance draw.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BackendConfig {
+    pub model: ModelShape,
+    /// Global KV blocks in HBM.
+    pub hbm_blocks: usize,
+    /// Global KV blocks in pinned host memory (the swap tier).
+    pub host_blocks: usize,
+    /// Sequences whose SWA rings fit on the device at once.
+    pub ring_slots: usize,
+    /// Host SWA slots (stored rings).
+    pub swa_host_slots: usize,
+    /// Probability that each verified draft is accepted, given the drafts before it were.
+    pub draft_acceptance: f64,
+    /// Seed of the acceptance draw and of the token ids.
+    pub seed: u64,
+}
+
+impl Default for BackendConfig {
+    fn default() -> Self {
+        Self {
+            model: ModelShape::default(),
+            hbm_blocks: 4096,
+            host_blocks: 1024,
+            ring_slots: 256,
+            swa_host_slots: 512,
+            draft_acceptance: 0.75,
+            seed: 1,
+        }
+    }
+}
+
+impl BackendConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.model.validate()?;
+        for (name, v) in [
+            ("hbm_blocks", self.hbm_blocks),
+            ("host_blocks", self.host_blocks),
+            ("ring_slots", self.ring_slots),
+            ("swa_host_slots", self.swa_host_slots),
+        ] {
+            if v == 0 || v > i32::MAX as usize / 2 {
+                return Err(ConfigError::invalid(
+                    format!("backend.{name}"),
+                    format!("{v} must be in 1..2^30"),
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.draft_acceptance) {
+            return Err(ConfigError::invalid(
+                "backend.draft_acceptance",
+                "must lie in [0, 1]",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Elements of one SWA ring slot: two blocks of every layer.
+    fn ring_slot_elems(&self) -> usize {
+        2 * self.model.layers() * self.model.block_size * self.model.kv_row()
+    }
+}
+
+/// Why a plan could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error(transparent)]
+    Tier(#[from] TierError),
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("invalid plan: {0}")]
+    Plan(String),
+}
+
+/// The compiled kernels the forward pass uses.
+pub(crate) struct Kernels {
+    pub att: PagedAttention,
+    pub swa: SwaAttention,
+    pub norm: RmsNorm,
+    pub rope_q: Rope,
+    pub rope_k: Rope,
+    pub router: MoeRouter,
+    pub ops: Ops,
+    pub sampler: Sampler,
+}
+
+/// Executes [`StepPlan`]s on one GPU. See the module docs.
+pub struct CudaBackend {
+    pub(crate) gpu: Arc<GpuContext>,
+    pub(crate) cfg: BackendConfig,
+    pub(crate) w: ModelWeights,
+    pub(crate) k: Kernels,
+    /// Global KV pool `[hbm_blocks][global layers][block_size][kv_row]`.
+    pub(crate) pool: CudaSlice<bf16>,
+    /// SWA rings `[ring_slots * 2][layers][block_size][kv_row]`.
+    pub(crate) rings: CudaSlice<bf16>,
+    /// Kept alive: the gather kernel reads and writes it through `host_pool_dptr`.
+    #[allow(dead_code)]
+    host_pool: PinnedHostSlice<u8>,
+    host_pool_dptr: sys::CUdeviceptr,
+    swa_host: PinnedHostSlice<bf16>,
+    copy: Arc<CudaStream>,
+    pub(crate) tiers: Tiers,
+    accept_rng: ChaCha8Rng,
+    /// Greedy token of the last row of each prefill chunk with a decoder replay, and of every
+    /// decode query token, from the last plan (for correctness checks).
+    pub last_tokens: Vec<i32>,
+    /// The f32 logits behind `last_tokens` when [`Self::keep_logits`] is set.
+    pub last_logits: Vec<f32>,
+    pub keep_logits: bool,
+}
+
+impl CudaBackend {
+    /// Compiles the kernels, draws the weights and allocates both tiers.
+    pub fn new(gpu: Arc<GpuContext>, cfg: BackendConfig) -> Result<Self, BackendError> {
+        cfg.validate()
+            .map_err(|e| BackendError::Plan(e.to_string()))?;
+        let m = &cfg.model;
+        let shape = PagedAttentionShape {
+            num_kv_heads: m.kv_heads,
+            group: m.group,
+            d_qk: m.head_dim,
+            d_v: m.head_dim,
+            block_size: m.block_size,
+        };
+        let rope = |heads| RopeShape {
+            heads,
+            head_dim: m.head_dim,
+            rot_dim: m.head_dim,
+            theta: m.rope_theta,
+        };
+        let k = Kernels {
+            att: PagedAttention::new(&gpu, shape)?,
+            swa: SwaAttention::new(
+                &gpu,
+                SwaShape {
+                    num_kv_heads: m.kv_heads,
+                    group: m.group,
+                    head_dim: m.head_dim,
+                },
+            )?,
+            norm: RmsNorm::new(&gpu)?,
+            rope_q: Rope::new(&gpu, rope(m.kv_heads * m.group))?,
+            rope_k: Rope::new(&gpu, rope(m.kv_heads))?,
+            router: MoeRouter::new(&gpu, m.experts, m.top_k)?,
+            ops: Ops::new(&gpu)?,
+            sampler: Sampler::new(&gpu)?,
+        };
+        let w = ModelWeights::random(&gpu, m)?;
+        let s = &gpu.stream;
+        let pool = s.alloc_zeros::<bf16>(cfg.hbm_blocks * m.block_bytes() / 2)?;
+        let rings = s.alloc_zeros::<bf16>(cfg.ring_slots * cfg.ring_slot_elems())?;
+        // SAFETY: pinned allocations; contents are written before any read (zeroed below).
+        let mut host_pool = unsafe {
+            gpu.ctx.alloc_pinned_with_flags::<u8>(
+                cfg.host_blocks * m.block_bytes(),
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }?;
+        host_pool.as_mut_slice()?.fill(0);
+        let mut host_pool_dptr: sys::CUdeviceptr = 0;
+        // SAFETY: the pool was allocated with DEVICEMAP; this only queries its device address.
+        unsafe {
+            sys::cuMemHostGetDevicePointer_v2(
+                &mut host_pool_dptr,
+                host_pool.as_mut_ptr()? as *mut std::ffi::c_void,
+                0,
+            )
+        }
+        .result()?;
+        // SAFETY: as above.
+        let mut swa_host = unsafe {
+            gpu.ctx.alloc_pinned_with_flags::<bf16>(
+                cfg.swa_host_slots * cfg.ring_slot_elems(),
+                sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }?;
+        swa_host.as_mut_slice()?.fill(bf16::ZERO);
+        let copy = gpu.ctx.new_stream()?;
+        let tiers = Tiers::new(
+            cfg.hbm_blocks,
+            cfg.host_blocks,
+            cfg.ring_slots,
+            cfg.swa_host_slots,
+        );
+        let accept_rng = ChaCha8Rng::seed_from_u64(sub_seed(cfg.seed, "hw.acceptance"));
+        s.synchronize()?;
+        Ok(Self {
+            gpu,
+            cfg,
+            w,
+            k,
+            pool,
+            rings,
+            host_pool,
+            host_pool_dptr,
+            swa_host,
+            copy,
+            tiers,
+            accept_rng,
+            last_tokens: Vec::new(),
+            last_logits: Vec::new(),
+            keep_logits: false,
+        })
+    }
+
+    /// Drops `request`'s encoder window (as after a cache hit with no SWA state): its next
+    /// chunk truncates the window at its start.
+    pub fn forget_window(&mut self, request: u64) {
+        if let Some(st) = self.tiers.seqs.get_mut(&request) {
+            st.ring_valid_to = 0;
+        }
+    }
+
+    pub fn config(&self) -> &BackendConfig {
+        &self.cfg
+    }
+
+    pub fn gpu(&self) -> &GpuContext {
+        &self.gpu
+    }
+
+    /// Forgets every sequence (blocks and rings return to the free lists).
+    pub fn reset(&mut self) {
+        self.tiers = Tiers::new(
+            self.cfg.hbm_blocks,
+            self.cfg.host_blocks,
+            self.cfg.ring_slots,
+            self.cfg.swa_host_slots,
+        );
+    }
+
+    /// One global layer's view of the pool `[block][global layer][token][row]`.
+    pub(crate) fn global_layout(&self) -> KvLayout {
+        let m = &self.cfg.model;
+        KvLayout {
+            block_stride: m.global_layers() * m.block_size * m.kv_row(),
+            row_stride: m.kv_row(),
+            num_blocks: self.cfg.hbm_blocks,
+        }
+    }
+
+    /// One layer's view of the rings: physical ring block `slot * 2 + b`, block-major over layers.
+    pub(crate) fn ring_layout(&self) -> KvLayout {
+        let m = &self.cfg.model;
+        KvLayout {
+            block_stride: m.layers() * m.block_size * m.kv_row(),
+            row_stride: m.kv_row(),
+            num_blocks: 2 * self.cfg.ring_slots,
+        }
+    }
+
+    /// Element offset of global layer `l`'s view in `pool`.
+    pub(crate) fn global_layer_offset(&self, l: usize) -> usize {
+        l * self.cfg.model.block_size * self.cfg.model.kv_row()
+    }
+
+    /// Runs one plan and returns its duration (CUDA events on the compute stream, from before
+    /// the first copy or launch to after the last, host-side planning included).
+    pub fn try_execute(
+        &mut self,
+        plan: &StepPlan,
+        report: &mut StepReport,
+    ) -> Result<(), BackendError> {
+        let s = self.gpu.stream.clone();
+        let start = self
+            .gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = self
+            .gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        report.seqs.clear();
+        report.ranks.clear();
+        self.last_tokens.clear();
+        self.last_logits.clear();
+        start.record(&s)?;
+        match plan {
+            StepPlan::Prefill(p) => self.run_prefill(p)?,
+            StepPlan::Decode(d) => self.run_decode(d, report)?,
+        }
+        s.join(&self.copy)?;
+        end.record(&s)?;
+        let ms = start.elapsed_ms(&end)? as f64;
+        report.duration = Nanos((ms * 1e6).round().max(0.0) as u64);
+        Ok(())
+    }
+
+    /// Token id of `request` at `position` (the model is random; ids only pick embeddings).
+    pub(crate) fn token_id(&self, request: u64, position: usize) -> i32 {
+        let h = servelab_core::content::hash2(
+            sub_seed(self.cfg.seed, "hw.tokens") ^ request,
+            position as u64,
+        );
+        (h % self.cfg.model.vocab as u64) as i32
+    }
+
+    /// Issues this step's moves: saves and swap-outs first (their sources are reused within
+    /// the step), then restores and swap-ins, all on the copy stream after the compute stream's
+    /// earlier work. Swap-outs are joined back into the compute stream at once; swap-ins are
+    /// left in flight (the caller joins before the global KV is read).
+    pub(crate) fn issue_moves(&mut self, moves: &Moves) -> Result<(), BackendError> {
+        if moves.is_empty() {
+            return Ok(());
+        }
+        let s = self.gpu.stream.clone();
+        let c = self.copy.clone();
+        c.join(&s)?;
+        let bb = self.cfg.model.block_bytes();
+        let ring_elems = self.cfg.ring_slot_elems();
+        let (pool_ptr, _g) = self.pool.device_ptr(&c);
+        if !moves.swap_out.is_empty() {
+            let (src, dst): (Vec<i32>, Vec<i32>) = moves
+                .swap_out
+                .iter()
+                .map(|&(d, h)| (d as i32, h as i32))
+                .unzip();
+            let (src, dst) = (c.clone_htod(&src)?, c.clone_htod(&dst)?);
+            // SAFETY: ids come from the tiers' free lists, inside both pools; the host pool is
+            // mapped (DEVICEMAP).
+            unsafe {
+                gather_blocks_on(
+                    &self.gpu,
+                    &c,
+                    pool_ptr,
+                    &src,
+                    self.host_pool_dptr,
+                    &dst,
+                    moves.swap_out.len(),
+                    bb,
+                )
+            }?;
+        }
+        {
+            let (ring_ptr, _gr) = self.rings.device_ptr(&c);
+            let host = self.swa_host.as_mut_slice()?;
+            for &(r, h) in &moves.ring_out {
+                let dst = &mut host[h as usize * ring_elems..][..ring_elems];
+                // SAFETY: ring slot r and host slot h lie inside their pools; the host buffer
+                // is pinned and outlives the copy (it lives in self).
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        dst,
+                        ring_ptr + (r as usize * ring_elems * 2) as u64,
+                        c.cu_stream(),
+                    )
+                }?;
+            }
+        }
+        s.join(&c)?;
+        {
+            let (ring_ptr, _gr) = self.rings.device_ptr(&c);
+            let host = self.swa_host.as_slice()?;
+            for &(h, r) in &moves.ring_in {
+                // SAFETY: as above.
+                unsafe {
+                    cudarc::driver::result::memcpy_htod_async(
+                        ring_ptr + (r as usize * ring_elems * 2) as u64,
+                        &host[h as usize * ring_elems..][..ring_elems],
+                        c.cu_stream(),
+                    )
+                }?;
+            }
+        }
+        if !moves.swap_in.is_empty() {
+            let (src, dst): (Vec<i32>, Vec<i32>) = moves
+                .swap_in
+                .iter()
+                .map(|&(h, d)| (h as i32, d as i32))
+                .unzip();
+            let (src, dst) = (c.clone_htod(&src)?, c.clone_htod(&dst)?);
+            // SAFETY: as for the swap-out.
+            unsafe {
+                gather_blocks_on(
+                    &self.gpu,
+                    &c,
+                    self.host_pool_dptr,
+                    &src,
+                    pool_ptr,
+                    &dst,
+                    moves.swap_in.len(),
+                    bb,
+                )
+            }?;
+        }
+        Ok(())
+    }
+
+    /// Makes every sequence of the plan resident; returns the HBM block ids per sequence.
+    pub(crate) fn place(
+        &mut self,
+        seqs: &[(u64, usize)],
+        moves: &mut Moves,
+    ) -> Result<Vec<Vec<u32>>, BackendError> {
+        self.tiers.begin_step();
+        let protected: BTreeSet<u64> = seqs.iter().map(|(r, _)| *r).collect();
+        let bs = self.cfg.model.block_size;
+        seqs.iter()
+            .map(|&(r, tokens)| {
+                self.tiers
+                    .make_resident(r, tokens.div_ceil(bs), &protected, moves)
+                    .map_err(BackendError::from)
+            })
+            .collect()
+    }
+
+    fn run_prefill(&mut self, p: &PrefillPlan) -> Result<(), BackendError> {
+        forward::prefill(self, p)
+    }
+
+    fn run_decode(&mut self, d: &DecodePlan, report: &mut StepReport) -> Result<(), BackendError> {
+        // Verified drafts per sequence: fixed = max_drafts; dynamic = the rank's budget dealt
+        // one draft at a time round-robin (the random model gives no confidences to sort by).
+        let mut verified = vec![0u32; d.seqs.len()];
+        for rank in &d.ranks {
+            let (a, b) = (rank.seq_start as usize, rank.seq_end as usize);
+            if a > b || b > d.seqs.len() {
+                return Err(BackendError::Plan(format!(
+                    "rank seqs {a}..{b} outside the plan's {}",
+                    d.seqs.len()
+                )));
+            }
+            let span = &mut verified[a..b];
+            let caps = &d.seqs[a..b];
+            if d.dynamic {
+                let mut left = rank.verify_budget;
+                let mut progress = true;
+                while left > 0 && progress {
+                    progress = false;
+                    for (v, s) in span.iter_mut().zip(caps) {
+                        if left > 0 && *v < s.max_drafts {
+                            *v += 1;
+                            left -= 1;
+                            progress = true;
+                        }
+                    }
+                }
+            } else {
+                for (v, s) in span.iter_mut().zip(caps) {
+                    *v = s.max_drafts;
+                }
+            }
+        }
+        forward::decode(self, d, &verified)?;
+        let pa = self.cfg.draft_acceptance;
+        for (i, _) in d.seqs.iter().enumerate() {
+            let v = verified[i].min(u8::MAX as u32) as u8;
+            let mut accepted = 0u8;
+            while accepted < v && self.accept_rng.random::<f64>() < pa {
+                accepted += 1;
+            }
+            report.seqs.push(SeqOutcome {
+                verified: v,
+                accepted,
+            });
+        }
+        for rank in &d.ranks {
+            let mut out = RankOutcome::default();
+            for s in &d.seqs[rank.seq_start as usize..rank.seq_end as usize] {
+                let cum: Vec<f64> = (1..=s.max_drafts).map(|i| pa.powi(i as i32)).collect();
+                out.confidence.add(&cum, 1);
+            }
+            report.ranks.push(out);
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    /// Runs the plan. The trait has no error path: a GPU failure (or a plan that does not fit
+    /// the pools) panics with its cause; use [`CudaBackend::try_execute`] to handle it.
+    fn execute(&mut self, _now: Nanos, plan: &StepPlan, report: &mut StepReport) {
+        if let Err(e) = self.try_execute(plan, report) {
+            panic!("CudaBackend: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use servelab_core::engine::plan::{DecodeRankPlan, DecodeSeq, PrefillChunk};
+    use servelab_core::ids::{EngineId, RequestId};
+
+    fn tiny() -> BackendConfig {
+        BackendConfig {
+            model: ModelShape {
+                encoder_layers: 2,
+                decoder_layers: 2,
+                hidden: 256,
+                kv_heads: 2,
+                group: 4,
+                head_dim: 64,
+                experts: 4,
+                top_k: 2,
+                expert_ffn: 128,
+                vocab: 512,
+                ..ModelShape::default()
+            },
+            hbm_blocks: 8,
+            host_blocks: 16,
+            ring_slots: 2,
+            swa_host_slots: 4,
+            ..BackendConfig::default()
+        }
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        let e = BackendConfig {
+            draft_acceptance: 1.5,
+            ..tiny()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("draft_acceptance"), "{e}");
+        let e = BackendConfig {
+            hbm_blocks: 0,
+            ..tiny()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.to_string().contains("hbm_blocks"), "{e}");
+    }
+
+    /// Prefill, decode with verification, and enough sequences to force swap-out and swap-in.
+    #[test]
+    fn gpu_backend_runs_plans_and_swaps() {
+        let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
+            return;
+        };
+        let mut b = CudaBackend::new(Arc::new(gpu), tiny()).unwrap();
+        let m = b.config().model.clone();
+        let mut rep = StepReport::default();
+        for req in 0..3u64 {
+            let plan = StepPlan::Prefill(PrefillPlan {
+                engine: EngineId(0),
+                chunks: vec![PrefillChunk {
+                    request: RequestId(req),
+                    new_tokens: 300,
+                    prefix_tokens: 0,
+                    new_token_layers: m.encoder_layers as u32,
+                    decoder_tokens: 140,
+                    decoder_layers: m.decoder_layers as u32,
+                    swap_in_bytes: 0,
+                }],
+                expert_imbalance: 1.0,
+            });
+            b.try_execute(&plan, &mut rep).unwrap();
+            assert!(rep.duration.0 > 0);
+            assert_eq!(b.last_tokens.len(), 1);
+        }
+        // 3 x 3 blocks > 8: request 0 was swapped out; decoding it swaps it back in
+        let plan = StepPlan::Decode(DecodePlan {
+            engine: EngineId(0),
+            ranks: vec![DecodeRankPlan {
+                seq_start: 0,
+                seq_end: 2,
+                verify_budget: 3,
+            }],
+            seqs: vec![
+                DecodeSeq {
+                    request: RequestId(0),
+                    kv_tokens: 300,
+                    max_drafts: 5,
+                    slot: 0,
+                },
+                DecodeSeq {
+                    request: RequestId(2),
+                    kv_tokens: 300,
+                    max_drafts: 1,
+                    slot: 1,
+                },
+            ],
+            dynamic: true,
+            expert_imbalance: 1.0,
+        });
+        b.try_execute(&plan, &mut rep).unwrap();
+        assert_eq!(rep.seqs.len(), 2);
+        // budget 3 dealt round-robin: 2 + 1
+        assert_eq!((rep.seqs[0].verified, rep.seqs[1].verified), (2, 1));
+        assert!(rep.seqs.iter().all(|s| s.accepted <= s.verified));
+        assert_eq!(b.last_tokens.len(), 3 + 2);
+        assert_eq!(rep.ranks.len(), 1);
+    }
+}

@@ -1,0 +1,350 @@
+//! Where each sequence's state lives: global KV blocks in an HBM pool or a pinned host pool,
+//! and SWA rings in HBM or in host slots. Pure bookkeeping (no GPU calls), so the placement
+//! rules are unit-tested without a device; the backend turns the moves into copies.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Where one 128-token global KV block of a sequence lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockLoc {
+    Hbm(u32),
+    Host(u32),
+}
+
+/// One sequence's placement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SeqPlacement {
+    pub blocks: Vec<BlockLoc>,
+    /// Device SWA ring slot (encoder and decoder windows of every layer).
+    pub ring: Option<u32>,
+    /// Host SWA slot holding the ring while it is not on the device (or its stored copy).
+    pub swa_host: Option<u32>,
+    /// The encoder ring holds the window ending at this position (0: nothing valid).
+    pub ring_valid_to: usize,
+    /// Logical clock of the last step that touched the sequence (LRU order).
+    pub last_used: u64,
+}
+
+/// Copies one step needs, in block/slot ids.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Moves {
+    /// (host block, HBM block): swap-in.
+    pub swap_in: Vec<(u32, u32)>,
+    /// (HBM block, host block): swap-out.
+    pub swap_out: Vec<(u32, u32)>,
+    /// (ring slot, host SWA slot): save a ring to host.
+    pub ring_out: Vec<(u32, u32)>,
+    /// (host SWA slot, ring slot): restore a ring.
+    pub ring_in: Vec<(u32, u32)>,
+}
+
+impl Moves {
+    pub fn is_empty(&self) -> bool {
+        self.swap_in.is_empty()
+            && self.swap_out.is_empty()
+            && self.ring_out.is_empty()
+            && self.ring_in.is_empty()
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TierError {
+    #[error(
+        "a step needs {needed} HBM blocks but the pool has {capacity} (raise backend.hbm_blocks)"
+    )]
+    HbmFull { needed: usize, capacity: usize },
+    #[error("a step touches more sequences than the {0} SWA ring slots (raise backend.ring_slots)")]
+    RingsFull(usize),
+}
+
+/// The block and ring allocator of both tiers.
+#[derive(Debug, Clone)]
+pub struct Tiers {
+    hbm_free: BTreeSet<u32>,
+    host_free: BTreeSet<u32>,
+    /// Host blocks read by this step's swap-ins, free from the next step on.
+    host_pending: Vec<u32>,
+    ring_free: BTreeSet<u32>,
+    swa_host_free: BTreeSet<u32>,
+    hbm_blocks: usize,
+    ring_slots: usize,
+    pub seqs: BTreeMap<u64, SeqPlacement>,
+    clock: u64,
+}
+
+impl Tiers {
+    pub fn new(
+        hbm_blocks: usize,
+        host_blocks: usize,
+        ring_slots: usize,
+        swa_host_slots: usize,
+    ) -> Self {
+        let set = |n: usize| (0..n as u32).collect::<BTreeSet<_>>();
+        Self {
+            hbm_free: set(hbm_blocks),
+            host_free: set(host_blocks),
+            host_pending: Vec::new(),
+            ring_free: set(ring_slots),
+            swa_host_free: set(swa_host_slots),
+            hbm_blocks,
+            ring_slots,
+            seqs: BTreeMap::new(),
+            clock: 0,
+        }
+    }
+
+    pub fn hbm_free(&self) -> usize {
+        self.hbm_free.len()
+    }
+
+    /// Starts a step: the LRU clock advances once per step. Within a step the backend runs
+    /// every swap-out and ring save before any swap-in, restore or compute, because evicted
+    /// HBM blocks and rings are reused in the same step.
+    pub fn begin_step(&mut self) {
+        self.clock += 1;
+        self.host_free.extend(self.host_pending.drain(..));
+    }
+
+    /// Makes `seq`'s blocks `[0, blocks)` resident in HBM and gives it a ring, evicting
+    /// sequences not in `protected` (least recently used first) as needed. New blocks are
+    /// allocated; blocks in host memory are swapped in. Returns the HBM id of every block.
+    pub fn make_resident(
+        &mut self,
+        seq: u64,
+        blocks: usize,
+        protected: &BTreeSet<u64>,
+        moves: &mut Moves,
+    ) -> Result<Vec<u32>, TierError> {
+        let clock = self.clock;
+        let mut st = self.seqs.remove(&seq).unwrap_or_default();
+        st.last_used = clock;
+        let need_hbm = blocks.saturating_sub(
+            st.blocks
+                .iter()
+                .take(blocks)
+                .filter(|b| matches!(b, BlockLoc::Hbm(_)))
+                .count(),
+        );
+        if need_hbm > self.hbm_blocks {
+            self.seqs.insert(seq, st);
+            return Err(TierError::HbmFull {
+                needed: need_hbm,
+                capacity: self.hbm_blocks,
+            });
+        }
+        while self.hbm_free.len() < need_hbm {
+            if !self.evict_blocks(protected, moves) {
+                self.seqs.insert(seq, st);
+                return Err(TierError::HbmFull {
+                    needed: need_hbm,
+                    capacity: self.hbm_blocks,
+                });
+            }
+        }
+        let mut ids = Vec::with_capacity(blocks);
+        for i in 0..blocks {
+            let id = match st.blocks.get(i).copied() {
+                Some(BlockLoc::Hbm(id)) => id,
+                Some(BlockLoc::Host(h)) => {
+                    let id = self.hbm_free.pop_first().expect("reserved above");
+                    moves.swap_in.push((h, id));
+                    // Freed at the next step: this step's swap-outs must not overwrite it.
+                    self.host_pending.push(h);
+                    st.blocks[i] = BlockLoc::Hbm(id);
+                    id
+                }
+                None => {
+                    let id = self.hbm_free.pop_first().expect("reserved above");
+                    st.blocks.push(BlockLoc::Hbm(id));
+                    id
+                }
+            };
+            ids.push(id);
+        }
+        if st.ring.is_none() {
+            if self.ring_free.is_empty() && !self.evict_ring(protected, moves) {
+                self.seqs.insert(seq, st);
+                return Err(TierError::RingsFull(self.ring_slots));
+            }
+            let r = self.ring_free.pop_first().expect("freed above");
+            if let Some(h) = st.swa_host {
+                moves.ring_in.push((h, r));
+            } else {
+                st.ring_valid_to = 0;
+            }
+            st.ring = Some(r);
+        }
+        self.seqs.insert(seq, st);
+        Ok(ids)
+    }
+
+    /// Saves `seq`'s ring to a host SWA slot (the SWA store after prefill); keeps the ring.
+    pub fn store_ring(&mut self, seq: u64, moves: &mut Moves) {
+        let Some(st) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        let Some(r) = st.ring else { return };
+        if st.swa_host.is_none() {
+            st.swa_host = self.swa_host_free.pop_first();
+        }
+        if let Some(h) = st.swa_host {
+            moves.ring_out.push((r, h));
+        }
+    }
+
+    fn lru_victim(
+        &self,
+        protected: &BTreeSet<u64>,
+        pred: impl Fn(&SeqPlacement) -> bool,
+    ) -> Option<u64> {
+        self.seqs
+            .iter()
+            .filter(|(id, st)| !protected.contains(id) && pred(st))
+            .min_by_key(|(id, st)| (st.last_used, **id))
+            .map(|(id, _)| *id)
+    }
+
+    /// Moves the LRU unprotected sequence's HBM blocks to host, or drops the sequence's KV
+    /// when the host pool cannot take them all (that sequence then starts from scratch). False
+    /// when nothing can be evicted.
+    fn evict_blocks(&mut self, protected: &BTreeSet<u64>, moves: &mut Moves) -> bool {
+        let Some(victim) = self.lru_victim(protected, |st| {
+            st.blocks.iter().any(|b| matches!(b, BlockLoc::Hbm(_)))
+        }) else {
+            return false;
+        };
+        let st = self.seqs.get_mut(&victim).expect("victim exists");
+        let on_hbm = st
+            .blocks
+            .iter()
+            .filter(|b| matches!(b, BlockLoc::Hbm(_)))
+            .count();
+        if on_hbm <= self.host_free.len() {
+            for b in st.blocks.iter_mut() {
+                if let BlockLoc::Hbm(id) = *b {
+                    let h = self.host_free.pop_first().expect("counted above");
+                    moves.swap_out.push((id, h));
+                    *b = BlockLoc::Host(h);
+                    self.hbm_free.insert(id);
+                }
+            }
+        } else {
+            for b in st.blocks.drain(..) {
+                match b {
+                    BlockLoc::Hbm(id) => {
+                        self.hbm_free.insert(id);
+                    }
+                    BlockLoc::Host(h) => self.host_pending.push(h),
+                }
+            }
+            st.ring_valid_to = 0;
+        }
+        true
+    }
+
+    fn evict_ring(&mut self, protected: &BTreeSet<u64>, moves: &mut Moves) -> bool {
+        let Some(victim) = self.lru_victim(protected, |st| st.ring.is_some()) else {
+            return false;
+        };
+        let st = self.seqs.get_mut(&victim).expect("victim exists");
+        let r = st.ring.take().expect("has a ring");
+        if st.swa_host.is_none() {
+            st.swa_host = self.swa_host_free.pop_first();
+        }
+        match st.swa_host {
+            Some(h) => moves.ring_out.push((r, h)),
+            None => st.ring_valid_to = 0,
+        }
+        self.ring_free.insert(r);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_blocks_are_lowest_free_ids_and_reuse_is_stable() {
+        let mut t = Tiers::new(8, 8, 2, 2);
+        let mut m = Moves::default();
+        t.begin_step();
+        let p = BTreeSet::from([1u64]);
+        assert_eq!(t.make_resident(1, 3, &p, &mut m).unwrap(), vec![0, 1, 2]);
+        assert_eq!(t.make_resident(1, 4, &p, &mut m).unwrap(), vec![0, 1, 2, 3]);
+        assert!(m.is_empty());
+        assert_eq!(t.hbm_free(), 4);
+    }
+
+    #[test]
+    fn pressure_swaps_the_lru_sequence_out_and_back_in() {
+        let mut t = Tiers::new(4, 8, 2, 2);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 3, &BTreeSet::from([1]), &mut m).unwrap();
+        t.begin_step();
+        t.make_resident(2, 1, &BTreeSet::from([2]), &mut m).unwrap();
+        t.begin_step();
+        // seq 3 needs 2 blocks: only seq 1 (LRU) is evicted, its 3 blocks go to host 0..3
+        let ids = t.make_resident(3, 2, &BTreeSet::from([3]), &mut m).unwrap();
+        assert_eq!(m.swap_out, vec![(0, 0), (1, 1), (2, 2)]);
+        assert_eq!(ids, vec![0, 1]);
+        let mut m = Moves::default();
+        t.begin_step();
+        // seq 1 returns: its host blocks 0..3 are swapped back in
+        let ids = t.make_resident(1, 3, &BTreeSet::from([1]), &mut m).unwrap();
+        // one free block: seq 2 (LRU) and then seq 3 go out to host blocks 3, 4, 5
+        assert_eq!(m.swap_out, vec![(3, 3), (0, 4), (1, 5)]);
+        assert_eq!(
+            m.swap_in.iter().map(|(h, _)| *h).collect::<Vec<_>>(),
+            vec![0, 1, 2]
+        );
+        assert_eq!(ids.len(), 3);
+        let placed = &t.seqs[&1];
+        assert!(placed.blocks.iter().all(|b| matches!(b, BlockLoc::Hbm(_))));
+    }
+
+    #[test]
+    fn a_full_host_pool_drops_the_victim_instead() {
+        let mut t = Tiers::new(2, 1, 2, 2);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 2, &BTreeSet::from([1]), &mut m).unwrap();
+        t.begin_step();
+        t.make_resident(2, 2, &BTreeSet::from([2]), &mut m).unwrap();
+        assert!(m.swap_out.is_empty());
+        assert!(t.seqs[&1].blocks.is_empty());
+    }
+
+    #[test]
+    fn a_step_larger_than_the_pool_is_an_error() {
+        let mut t = Tiers::new(2, 2, 1, 1);
+        let e = t
+            .make_resident(1, 3, &BTreeSet::from([1]), &mut Moves::default())
+            .unwrap_err();
+        assert_eq!(
+            e,
+            TierError::HbmFull {
+                needed: 3,
+                capacity: 2
+            }
+        );
+    }
+
+    #[test]
+    fn rings_are_saved_to_host_on_eviction_and_restored() {
+        let mut t = Tiers::new(8, 8, 1, 2);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 1, &BTreeSet::from([1]), &mut m).unwrap();
+        t.seqs.get_mut(&1).unwrap().ring_valid_to = 300;
+        t.begin_step();
+        t.make_resident(2, 1, &BTreeSet::from([2]), &mut m).unwrap();
+        assert_eq!(m.ring_out, vec![(0, 0)]);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 1, &BTreeSet::from([1]), &mut m).unwrap();
+        assert_eq!(m.ring_in, vec![(0, 0)]);
+        assert_eq!(t.seqs[&1].ring_valid_to, 300);
+    }
+}

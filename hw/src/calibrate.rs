@@ -1,0 +1,542 @@
+//! Calibration (issue 6, item 4): sweeps prefill and decode step shapes through the
+//! [`CudaBackend`], fits the simulator's cost-model form by weighted least squares and writes a
+//! hardware profile in the format of `sim/profiles/sm100-published.toml`.
+//!
+//! Prefill: `t = base + L_enc·(a·n + b·n·(p + n/2)) + L_dec·(a·r + b·r²/2)` (n new tokens,
+//! p prefix, r decoder replay). Decode: `t = base + c_seq·B + c_kv·ΣKV + c_tok·N + c_sq·N²`
+//! (B sequences, N = query tokens). Residuals are relative (each point weighs 1/t), so short
+//! and long steps count alike; a coefficient the fit makes negative is pinned at 0 and the
+//! rest refitted (non-negative least squares by elimination).
+
+use std::time::Instant;
+
+use servelab_core::engine::plan::{
+    DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk, PrefillPlan, StepPlan, StepReport,
+};
+use servelab_core::engine::{DecodeTimeModel, PrefillCostModel};
+use servelab_core::ids::{EngineId, RequestId};
+
+use crate::backend::{BackendError, CudaBackend};
+
+/// What to sweep.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CalibrateConfig {
+    pub prefill_new: Vec<usize>,
+    pub prefill_prefix: Vec<usize>,
+    pub replay_tokens: usize,
+    pub decode_batch: Vec<usize>,
+    pub decode_kv: Vec<usize>,
+    /// Query tokens per sequence (1 + verified drafts).
+    pub decode_query: Vec<usize>,
+    pub reps: usize,
+}
+
+impl CalibrateConfig {
+    pub fn full() -> Self {
+        Self {
+            prefill_new: vec![512, 2048, 8192],
+            prefill_prefix: vec![0, 4096, 16_384],
+            replay_tokens: 140,
+            decode_batch: vec![1, 8, 32, 64],
+            decode_kv: vec![1024, 4096, 16_384],
+            decode_query: vec![1, 4],
+            reps: 3,
+        }
+    }
+
+    pub fn quick() -> Self {
+        Self {
+            prefill_new: vec![256, 1024],
+            prefill_prefix: vec![0, 1024],
+            replay_tokens: 140,
+            decode_batch: vec![1, 4],
+            decode_kv: vec![512, 2048],
+            decode_query: vec![1, 3],
+            reps: 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PrefillPoint {
+    pub new_tokens: usize,
+    pub prefix_tokens: usize,
+    pub decoder_tokens: usize,
+    pub durations_ns: Vec<u64>,
+    pub median_ns: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DecodePoint {
+    pub batch: usize,
+    pub kv_tokens: usize,
+    pub query_tokens: usize,
+    pub durations_ns: Vec<u64>,
+    pub median_ns: f64,
+    /// Wall time of `try_execute` minus the event-timed duration (host work outside the
+    /// stream's busy span), median.
+    pub host_gap_ns: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Sweep {
+    pub prefill: Vec<PrefillPoint>,
+    pub decode: Vec<DecodePoint>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Runs every shape `reps` times after one warm-up, each on fresh request ids.
+pub fn sweep(
+    b: &mut CudaBackend,
+    cfg: &CalibrateConfig,
+    mut log: impl FnMut(&str),
+) -> Result<Sweep, BackendError> {
+    let m = b.config().model.clone();
+    let mut next_req = 1_000_000u64;
+    let mut report = StepReport::default();
+    let mut prefill = Vec::new();
+    let mut shapes = Vec::new();
+    for &n in &cfg.prefill_new {
+        for &p in &cfg.prefill_prefix {
+            shapes.push((n, p, cfg.replay_tokens.min(n + p)));
+        }
+        // a middle chunk: no decoder replay
+        shapes.push((n, cfg.prefill_prefix.last().copied().unwrap_or(0), 0));
+    }
+    for (n, p, r) in shapes {
+        let mut d = Vec::new();
+        for rep in 0..=cfg.reps {
+            b.reset();
+            next_req += 1;
+            let plan = StepPlan::Prefill(PrefillPlan {
+                engine: EngineId(0),
+                chunks: vec![PrefillChunk {
+                    request: RequestId(next_req),
+                    new_tokens: n as u32,
+                    prefix_tokens: p as u32,
+                    new_token_layers: m.encoder_layers as u32,
+                    decoder_tokens: r as u32,
+                    decoder_layers: m.decoder_layers as u32,
+                    swap_in_bytes: 0,
+                }],
+                expert_imbalance: 1.0,
+            });
+            b.try_execute(&plan, &mut report)?;
+            if rep > 0 {
+                d.push(report.duration.0);
+            }
+        }
+        let med = median(&mut d.iter().map(|&x| x as f64).collect::<Vec<_>>());
+        log(&format!("prefill n={n} p={p} r={r}: {:.2} ms", med / 1e6));
+        prefill.push(PrefillPoint {
+            new_tokens: n,
+            prefix_tokens: p,
+            decoder_tokens: r,
+            durations_ns: d,
+            median_ns: med,
+        });
+    }
+    let mut decode = Vec::new();
+    for &bsz in &cfg.decode_batch {
+        for &kv in &cfg.decode_kv {
+            for &q in &cfg.decode_query {
+                b.reset();
+                let seqs: Vec<DecodeSeq> = (0..bsz)
+                    .map(|i| DecodeSeq {
+                        request: RequestId(next_req + 1 + i as u64),
+                        kv_tokens: kv as u32,
+                        max_drafts: (q - 1) as u32,
+                        slot: i as u32,
+                    })
+                    .collect();
+                next_req += bsz as u64 + 1;
+                let plan = StepPlan::Decode(DecodePlan {
+                    engine: EngineId(0),
+                    ranks: vec![DecodeRankPlan {
+                        seq_start: 0,
+                        seq_end: bsz as u32,
+                        verify_budget: (bsz * (q - 1)) as u32,
+                    }],
+                    seqs,
+                    dynamic: false,
+                    expert_imbalance: 1.0,
+                });
+                let (mut d, mut gaps) = (Vec::new(), Vec::new());
+                for rep in 0..=cfg.reps {
+                    let t0 = Instant::now();
+                    b.try_execute(&plan, &mut report)?;
+                    let wall = t0.elapsed().as_nanos() as f64;
+                    if rep > 0 {
+                        d.push(report.duration.0);
+                        gaps.push((wall - report.duration.0 as f64).max(0.0));
+                    }
+                }
+                let med = median(&mut d.iter().map(|&x| x as f64).collect::<Vec<_>>());
+                log(&format!(
+                    "decode B={bsz} kv={kv} q={q}: {:.2} ms",
+                    med / 1e6
+                ));
+                decode.push(DecodePoint {
+                    batch: bsz,
+                    kv_tokens: kv,
+                    query_tokens: q,
+                    durations_ns: d,
+                    median_ns: med,
+                    host_gap_ns: median(&mut gaps),
+                });
+            }
+        }
+    }
+    Ok(Sweep { prefill, decode })
+}
+
+/// Weighted non-negative least squares: minimises Σ ((x_i·c − y_i) / y_i)² over c ≥ 0 by
+/// dropping the most negative coefficient and refitting until none is negative.
+pub fn fit_nonneg(x: &[Vec<f64>], y: &[f64]) -> Vec<f64> {
+    let k = x.first().map_or(0, |r| r.len());
+    let mut active: Vec<bool> = vec![true; k];
+    loop {
+        let idx: Vec<usize> = (0..k).filter(|&j| active[j]).collect();
+        let c = solve_weighted(x, y, &idx);
+        let mut full = vec![0.0; k];
+        for (&j, &v) in idx.iter().zip(&c) {
+            full[j] = v;
+        }
+        match idx
+            .iter()
+            .zip(&c)
+            .filter(|(_, v)| **v < 0.0)
+            .min_by(|a, b| a.1.total_cmp(b.1))
+        {
+            Some((&j, _)) => active[j] = false,
+            None => return full,
+        }
+    }
+}
+
+/// Least squares on the columns `idx`, rows weighted by 1/y, via normal equations with
+/// column scaling (features span many orders of magnitude).
+fn solve_weighted(x: &[Vec<f64>], y: &[f64], idx: &[usize]) -> Vec<f64> {
+    let k = idx.len();
+    if k == 0 {
+        return Vec::new();
+    }
+    let scale: Vec<f64> = idx
+        .iter()
+        .map(|&j| {
+            x.iter()
+                .zip(y)
+                .map(|(r, yi)| (r[j] / yi).abs())
+                .fold(0.0, f64::max)
+                .max(1e-300)
+        })
+        .collect();
+    let mut a = vec![vec![0.0; k + 1]; k];
+    for (r, &yi) in x.iter().zip(y) {
+        let f: Vec<f64> = idx
+            .iter()
+            .zip(&scale)
+            .map(|(&j, s)| r[j] / yi / s)
+            .collect();
+        for p in 0..k {
+            for q in 0..k {
+                a[p][q] += f[p] * f[q];
+            }
+            a[p][k] += f[p]; // target y / y = 1
+        }
+    }
+    // Gaussian elimination with partial pivoting (tiny ridge keeps rank-deficient sets finite).
+    for (p, row) in a.iter_mut().enumerate() {
+        row[p] += 1e-12;
+    }
+    for col in 0..k {
+        let piv = (col..k)
+            .max_by(|&i, &j| a[i][col].abs().total_cmp(&a[j][col].abs()))
+            .unwrap_or(col);
+        a.swap(col, piv);
+        let d = a[col][col];
+        if d.abs() < 1e-300 {
+            continue;
+        }
+        let pivot_row = a[col].clone();
+        for (r, row) in a.iter_mut().enumerate() {
+            if r != col {
+                let f = row[col] / d;
+                for (x, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    (0..k)
+        .map(|p| {
+            if a[p][p].abs() < 1e-300 {
+                0.0
+            } else {
+                a[p][k] / a[p][p] / scale[p]
+            }
+        })
+        .collect()
+}
+
+/// The fitted profile and its residuals.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Fit {
+    pub prefill: PrefillCostModel,
+    pub decode: DecodeTimeModel,
+    /// (measured ns, predicted ns) per point, in sweep order.
+    pub prefill_residuals: Vec<(f64, f64)>,
+    pub decode_residuals: Vec<(f64, f64)>,
+    pub swap_in_bytes_per_s: f64,
+    pub sync_gap_ns: f64,
+}
+
+fn prefill_features(p: &PrefillPoint, enc: f64, dec: f64) -> Vec<f64> {
+    let (n, pre, r) = (
+        p.new_tokens as f64,
+        p.prefix_tokens as f64,
+        p.decoder_tokens as f64,
+    );
+    vec![
+        1.0,
+        enc * n + dec * r,
+        enc * n * (pre + n / 2.0) + dec * r * r / 2.0,
+    ]
+}
+
+fn decode_features(d: &DecodePoint) -> Vec<f64> {
+    let b = d.batch as f64;
+    let n = b * d.query_tokens as f64;
+    vec![1.0, b, b * d.kv_tokens as f64, n, n * n]
+}
+
+/// Fits both models. `moe_share` and the reference imbalances are not identifiable from a
+/// single-GPU sweep at imbalance 1.0: they are kept at the published profile's values.
+pub fn fit(
+    sweep: &Sweep,
+    encoder_layers: usize,
+    decoder_layers: usize,
+    swap_in_bytes_per_s: f64,
+) -> Fit {
+    let (enc, dec) = (encoder_layers as f64, decoder_layers as f64);
+    let px: Vec<Vec<f64>> = sweep
+        .prefill
+        .iter()
+        .map(|p| prefill_features(p, enc, dec))
+        .collect();
+    let py: Vec<f64> = sweep.prefill.iter().map(|p| p.median_ns).collect();
+    let pc = fit_nonneg(&px, &py);
+    let prefill = PrefillCostModel {
+        base_ns: pc[0],
+        per_layer_token_ns: pc[1].max(1e-6),
+        per_layer_token_ctx_ns: pc[2],
+        moe_share: 0.6,
+        reference_imbalance: 1.0,
+    };
+    let dx: Vec<Vec<f64>> = sweep.decode.iter().map(decode_features).collect();
+    let dy: Vec<f64> = sweep.decode.iter().map(|d| d.median_ns).collect();
+    let dc = fit_nonneg(&dx, &dy);
+    let decode = DecodeTimeModel {
+        base_ns: dc[0],
+        per_seq_ns: dc[1],
+        per_kv_token_ns: dc[2],
+        per_token_ns: dc[3],
+        per_token_sq_ns: dc[4],
+        dynamic_overhead_ns: 0.0,
+        moe_share: 0.6,
+        reference_imbalance: 1.0,
+    };
+    let dot = |f: &[f64], c: &[f64]| f.iter().zip(c).map(|(a, b)| a * b).sum::<f64>();
+    let prefill_residuals = px.iter().zip(&py).map(|(f, &y)| (y, dot(f, &pc))).collect();
+    let decode_residuals = dx.iter().zip(&dy).map(|(f, &y)| (y, dot(f, &dc))).collect();
+    let mut gaps: Vec<f64> = sweep.decode.iter().map(|d| d.host_gap_ns).collect();
+    Fit {
+        prefill,
+        decode,
+        prefill_residuals,
+        decode_residuals,
+        swap_in_bytes_per_s,
+        sync_gap_ns: median(&mut gaps),
+    }
+}
+
+/// Header facts written into the profile.
+#[derive(Debug, Clone)]
+pub struct ProfileHeader {
+    pub name: String,
+    pub gpu: String,
+    pub driver: String,
+    pub date: String,
+    pub commit: String,
+    pub model: String,
+}
+
+/// The profile text: comments (provenance, fit, residuals), then the sections the simulator's
+/// `HardwareProfile` reads.
+pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "# Hardware profile measured on {} (driver {}), {}, commit {}.\n",
+        h.gpu, h.driver, h.date, h.commit
+    ));
+    s.push_str(
+        "# Written by `servelab-gpu calibrate`: step plans executed by servelab-hw's CudaBackend\n",
+    );
+    s.push_str(&format!(
+        "# on the scaled-down SPEC §1 model ({}),\n",
+        h.model
+    ));
+    s.push_str(
+        "# timed with CUDA events, fitted by weighted non-negative least squares (weights 1/t).\n",
+    );
+    s.push_str("# One GPU, imbalance 1.0: moe_share is the published profile's 0.6 (not identifiable here),\n");
+    s.push_str(
+        "# reference_imbalance 1.0; dynamic_overhead_ns 0 (the backend has no split kernel).\n#\n",
+    );
+    s.push_str("# PREFILL  t = base + L_enc(a n + b n (p + n/2)) + L_dec(a r + b r^2/2)\n");
+    s.push_str("#   n      p      r    measured ms  fitted ms  error\n");
+    for (pt, (y, f)) in sweep.prefill.iter().zip(&fit.prefill_residuals) {
+        s.push_str(&format!(
+            "# {:6} {:6} {:4} {:12.3} {:10.3} {:+6.1}%\n",
+            pt.new_tokens,
+            pt.prefix_tokens,
+            pt.decoder_tokens,
+            y / 1e6,
+            f / 1e6,
+            100.0 * (f / y - 1.0)
+        ));
+    }
+    s.push_str("#\n# DECODE  t = base + c_seq B + c_kv sum(KV) + c_tok N + c_sq N^2\n");
+    s.push_str("#   B     KV  q    measured ms  fitted ms  error\n");
+    for (pt, (y, f)) in sweep.decode.iter().zip(&fit.decode_residuals) {
+        s.push_str(&format!(
+            "# {:3} {:6} {:2} {:12.3} {:10.3} {:+6.1}%\n",
+            pt.batch,
+            pt.kv_tokens,
+            pt.query_tokens,
+            y / 1e6,
+            f / 1e6,
+            100.0 * (f / y - 1.0)
+        ));
+    }
+    let rel = |v: &[(f64, f64)]| -> (f64, f64) {
+        let mut e: Vec<f64> = v.iter().map(|(y, f)| (f / y - 1.0).abs()).collect();
+        let mx = e.iter().cloned().fold(0.0, f64::max);
+        (median(&mut e), mx)
+    };
+    let (pm, px) = rel(&fit.prefill_residuals);
+    let (dm, dx) = rel(&fit.decode_residuals);
+    s.push_str(&format!(
+        "#\n# |relative error|: prefill median {:.1}% max {:.1}%; decode median {:.1}% max {:.1}%\n",
+        pm * 100.0,
+        px * 100.0,
+        dm * 100.0,
+        dx * 100.0
+    ));
+    s.push_str("# transfer: swap_in_bytes_per_s = the gather kernel over mapped pinned memory;\n");
+    s.push_str("# sync_gap = median host time of a decode step outside its event-timed span.\n");
+    s.push_str(&format!("name = \"{}\"\n", h.name));
+    s.push_str(&format!(
+        "description = \"Measured on {} with the servelab-hw CudaBackend ({}); see comments\"\n\n",
+        h.gpu, h.date
+    ));
+    let p = &fit.prefill;
+    s.push_str(&format!(
+        "[prefill]\nbase_ns = {:.1}\nper_layer_token_ns = {:.6}\nper_layer_token_ctx_ns = {:.9}\nmoe_share = {}\nreference_imbalance = {}\n\n",
+        p.base_ns, p.per_layer_token_ns, p.per_layer_token_ctx_ns, p.moe_share, p.reference_imbalance
+    ));
+    let d = &fit.decode;
+    s.push_str(&format!(
+        "[decode]\nbase_ns = {:.1}\nper_seq_ns = {:.3}\nper_kv_token_ns = {:.6}\nper_token_ns = {:.3}\nper_token_sq_ns = {:.6}\ndynamic_overhead_ns = {:.1}\nmoe_share = {}\nreference_imbalance = {}\n\n",
+        d.base_ns, d.per_seq_ns, d.per_kv_token_ns, d.per_token_ns, d.per_token_sq_ns, d.dynamic_overhead_ns, d.moe_share, d.reference_imbalance
+    ));
+    s.push_str(&format!(
+        "[transfer]\nswap_in_bytes_per_s = {:.4e}\nsync_gap = \"{}us\"\n",
+        fit.swap_in_bytes_per_s,
+        (fit.sync_gap_ns / 1e3).round() as u64
+    ));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonneg_fit_recovers_exact_coefficients() {
+        // y = 5 + 2 x1 + 0.5 x2, no noise
+        let x: Vec<Vec<f64>> = (1..8)
+            .map(|i| vec![1.0, i as f64, (i * i) as f64])
+            .collect();
+        let y: Vec<f64> = x.iter().map(|r| 5.0 + 2.0 * r[1] + 0.5 * r[2]).collect();
+        let c = fit_nonneg(&x, &y);
+        for (got, want) in c.iter().zip([5.0, 2.0, 0.5]) {
+            assert!((got - want).abs() < 1e-6, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn negative_coefficients_are_pinned_at_zero() {
+        // y = 10 + 3 x1 exactly; x2 is noise that would get a negative weight if free
+        let x: Vec<Vec<f64>> = (1..10)
+            .map(|i| vec![1.0, i as f64, if i % 2 == 0 { 1.0 } else { 0.0 }])
+            .collect();
+        let y: Vec<f64> = x.iter().map(|r| 10.0 + 3.0 * r[1] - 0.5 * r[2]).collect();
+        let c = fit_nonneg(&x, &y);
+        assert_eq!(c[2], 0.0);
+        assert!(c.iter().all(|v| *v >= 0.0));
+    }
+
+    #[test]
+    fn profile_text_has_every_section_and_parses() {
+        let sweep = Sweep {
+            prefill: vec![PrefillPoint {
+                new_tokens: 512,
+                prefix_tokens: 0,
+                decoder_tokens: 140,
+                durations_ns: vec![1_000_000],
+                median_ns: 1e6,
+            }],
+            decode: vec![DecodePoint {
+                batch: 1,
+                kv_tokens: 1024,
+                query_tokens: 1,
+                durations_ns: vec![500_000],
+                median_ns: 5e5,
+                host_gap_ns: 1e5,
+            }],
+        };
+        let f = fit(&sweep, 20, 20, 5e10);
+        let text = profile_toml(
+            &f,
+            &sweep,
+            &ProfileHeader {
+                name: "t".into(),
+                gpu: "g".into(),
+                driver: "d".into(),
+                date: "x".into(),
+                commit: "c".into(),
+                model: "m".into(),
+            },
+        );
+        let v: toml::Value = toml::from_str(&text).unwrap();
+        for k in ["prefill", "decode", "transfer"] {
+            assert!(v.get(k).is_some(), "{k}");
+        }
+        let p: PrefillCostModel = v["prefill"].clone().try_into().unwrap();
+        p.validate("prefill").unwrap();
+        let d: DecodeTimeModel = v["decode"].clone().try_into().unwrap();
+        d.validate("decode").unwrap();
+    }
+}
