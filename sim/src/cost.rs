@@ -32,7 +32,7 @@ pub struct CostModel {
     uni: Vec<f64>,
     maxes: Vec<u32>,
     lens: Vec<u8>,
-    counts: Vec<u32>,
+    keys: Vec<u64>,
 }
 
 impl CostModel {
@@ -57,7 +57,7 @@ impl CostModel {
             uni: Vec::new(),
             maxes: Vec::new(),
             lens: Vec::new(),
-            counts: Vec::new(),
+            keys: Vec::new(),
         }
     }
     pub fn profile(&self) -> &HardwareProfile {
@@ -123,7 +123,7 @@ impl CostModel {
                     &self.prof,
                     &self.maxes,
                     rp.verify_budget,
-                    &mut self.counts,
+                    &mut self.keys,
                     &mut self.lens,
                 );
             } else {

@@ -225,6 +225,7 @@ mod tests {
             min_seqs_per_rank: 0,
             vote: Default::default(),
             confirmation_rounds: 1,
+            budget: Default::default(),
         };
         let dy = run_point(&point(96), &dynamic, &prof, &acc, 1).unwrap();
         assert!((fixed.verified_per_step - 5.0).abs() < 0.05, "{fixed:?}");

@@ -31,6 +31,7 @@ use servelab_core::engine::{
     DecodePlan, PrefillBalancer, PrefillEngine, PrefillJob, PrefillLbPolicy, PrefillPlan,
     QueuedPrefill, Scheduling, SeqEmission, StepPlan, StepReport, VerificationPolicy,
 };
+use servelab_core::eplb::{ExpertLoadConfig, ExpertLoadModel, MoeBatch};
 use servelab_core::{
     BlockKey, ConfigError, EngineId, HitInputs, HitPolicy, KvStore, MachineId, Nanos, PerfectCache,
     Request, RequestId, ServingConstants, SessionId, StoreConfig, SwaCache, SwaConfig, SwaSource,
@@ -108,6 +109,7 @@ impl Default for DecodePoolConfig {
                 min_seqs_per_rank: 0,
                 vote: Default::default(),
                 confirmation_rounds: 1,
+                budget: Default::default(),
             },
             scheduling: Scheduling::Async,
             lb: DecodeLbPolicy::CountAndKv,
@@ -162,6 +164,26 @@ impl Default for LinkConfig {
     }
 }
 
+/// Where the MoE part of a step's time comes from.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum MoeImbalance {
+    /// Every step uses the pool's `expert_imbalance` (the published average, SPEC §9): cheap.
+    #[default]
+    Fixed,
+    /// An expert-load model per engine ([`ExpertLoadModel`]: skewed, drifting routing and a
+    /// placement policy: EPLB, static or no redundancy) gives each step the slowest rank's load
+    /// ÷ the mean, and EPLB reassignments add their weight-shuffle time to the engine's step.
+    /// A pool left out keeps its fixed factor. `prefill.ep.gpus` GPUs share one prefill
+    /// instance's experts; `decode.ep.gpus` must equal the decode group's ranks.
+    Model {
+        #[serde(default)]
+        prefill: Option<Box<ExpertLoadConfig>>,
+        #[serde(default)]
+        decode: Option<Box<ExpertLoadConfig>>,
+    },
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServiceConfig {
@@ -176,6 +198,7 @@ pub struct ServiceConfig {
     pub links: LinkConfig,
     pub swap_in: SwapIn,
     pub acceptance: AcceptanceModel,
+    pub moe: MoeImbalance,
     /// Requests arriving before this are simulated but not measured.
     pub warmup: Nanos,
     pub series_interval: Nanos,
@@ -202,6 +225,7 @@ impl Default for ServiceConfig {
             links: LinkConfig::default(),
             swap_in: SwapIn::Overlapped,
             acceptance: AcceptanceModel::default(),
+            moe: MoeImbalance::Fixed,
             warmup: Nanos::from_secs(60),
             series_interval: Nanos::from_secs(10),
             sample_every: 100,
@@ -278,6 +302,25 @@ impl ServiceConfig {
                 "series_interval",
                 "series_interval and sample_every must be positive",
             ));
+        }
+        if let MoeImbalance::Model { prefill, decode } = &self.moe {
+            if let Some(c) = prefill {
+                c.validate()
+                    .map_err(|e| ConfigError::invalid("moe.prefill", e.to_string()))?;
+            }
+            if let Some(c) = decode {
+                c.validate()
+                    .map_err(|e| ConfigError::invalid("moe.decode", e.to_string()))?;
+                if c.ep.gpus != d.ranks as usize {
+                    return Err(ConfigError::invalid(
+                        "moe.decode.ep.gpus",
+                        format!(
+                            "{} GPUs, but a decode group has {} ranks",
+                            c.ep.gpus, d.ranks
+                        ),
+                    ));
+                }
+            }
         }
         self.acceptance.validate()
     }
@@ -399,6 +442,39 @@ pub struct Latencies {
     pub gap_ns: Histogram,
 }
 
+/// The unit in steady state: steps that started after the warm-up and before the last arrival
+/// (ramp-up and drain excluded), comparable with the published steady-load operating points.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct SteadyState {
+    pub start_s: f64,
+    pub end_s: f64,
+    /// Output tokens per busy second per decode GPU.
+    pub decode_tokens_per_s_per_gpu: f64,
+    /// Output tokens per wall second per decode GPU (including idle time).
+    pub decode_tokens_per_s_per_gpu_wall: f64,
+    pub decode_seqs_per_rank: f64,
+    pub decode_utilisation: f64,
+    pub decode_step_ms: f64,
+    pub verified_drafts_per_seq_step: f64,
+    pub accepted_length: f64,
+    /// Non-cached input tokens per busy second per prefill GPU.
+    pub prefill_tokens_per_s_per_gpu: f64,
+    pub prefill_utilisation: f64,
+}
+
+#[derive(Default, Clone, Copy)]
+struct SteadyCounters {
+    decode_busy_ns: u64,
+    decode_steps: u64,
+    decode_tokens: u64,
+    decode_seq_steps: u64,
+    decode_emissions: u64,
+    decode_rank_steps: u64,
+    verified: u64,
+    prefill_busy_ns: u64,
+    prefill_tokens: u64,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ServiceReport {
     pub arrivals: u64,
@@ -423,6 +499,14 @@ pub struct ServiceReport {
     pub decode_utilisation: f64,
     pub swa_hit_rate: f64,
     pub store_used_bytes: u64,
+    /// Mean expert imbalance (slowest rank ÷ mean) over prefill and decode steps.
+    pub prefill_mean_imbalance: f64,
+    pub decode_mean_imbalance: f64,
+    /// EPLB reassignments and the engine time they cost (all engines).
+    pub moe_reassignments: u64,
+    pub moe_reassignment_s: f64,
+    /// Rates between the warm-up and the last arrival.
+    pub steady: SteadyState,
     pub full_prefix_lookups: u64,
     pub memo_prefix_lookups: u64,
     pub requests: Vec<RequestRow>,
@@ -521,6 +605,17 @@ struct Sim<'a> {
     full_lookups: u64,
     memo_lookups: u64,
     rows: Vec<RequestRow>,
+    /// [warm-up, last arrival): the steady-state window.
+    steady_window: (Nanos, Nanos),
+    steady: SteadyCounters,
+    prefill_moe: Vec<ExpertLoadModel>,
+    /// DP ranks of a prefill EP instance (`moe.prefill.ep.gpus`).
+    prefill_moe_dp: u64,
+    decode_moe: Vec<ExpertLoadModel>,
+    /// (Σ imbalance, steps) for prefill and decode.
+    imbalance_sums: [(f64, u64); 2],
+    reassignments: u64,
+    reassignment_ns: u64,
 }
 
 /// Runs the unit over `requests` (sorted by arrival) to completion.
@@ -611,6 +706,19 @@ impl<'a> Sim<'a> {
         let backend = CostModel::new(profile, &cfg.acceptance, c.draft_tokens, cfg.swap_in, seed);
         let prefill_machines = cfg.prefill.gpus.div_ceil(cfg.prefill.gpus_per_machine);
         let n = reqs.len();
+        let (mut prefill_moe, mut decode_moe) = (Vec::new(), Vec::new());
+        if let MoeImbalance::Model { prefill, decode } = &cfg.moe {
+            if let Some(c) = prefill {
+                for e in 0..cfg.prefill.gpus {
+                    prefill_moe.push(ExpertLoadModel::new(c, seed, &format!("prefill.{e}"))?);
+                }
+            }
+            if let Some(c) = decode {
+                for g in 0..cfg.decode.groups {
+                    decode_moe.push(ExpertLoadModel::new(c, seed, &format!("decode.{g}"))?);
+                }
+            }
+        }
         Ok(Sim {
             cfg,
             reqs,
@@ -682,7 +790,24 @@ impl<'a> Sim<'a> {
             full_lookups: 0,
             memo_lookups: 0,
             rows: Vec::new(),
+            steady_window: (cfg.warmup, reqs.last().map_or(Nanos::ZERO, |r| r.arrival)),
+            steady: SteadyCounters::default(),
+            prefill_moe,
+            prefill_moe_dp: match &cfg.moe {
+                MoeImbalance::Model {
+                    prefill: Some(c), ..
+                } => c.ep.gpus as u64,
+                _ => 1,
+            },
+            decode_moe,
+            imbalance_sums: [(0.0, 0); 2],
+            reassignments: 0,
+            reassignment_ns: 0,
         })
+    }
+
+    fn in_steady(&self, t: Nanos) -> bool {
+        t >= self.steady_window.0 && t < self.steady_window.1
     }
 
     fn measured(&self, i: usize) -> bool {
@@ -1015,6 +1140,24 @@ impl<'a> Sim<'a> {
         if !self.prefill[e].plan_step(now, plan) {
             return;
         }
+        let mut extra = Nanos::ZERO;
+        if let Some(m) = self.prefill_moe.get_mut(e) {
+            // The instance's DP ranks run similar batches: its MoE layers see `ep.gpus` of them.
+            let dp = self.prefill_moe_dp;
+            let moe = m.step(
+                now,
+                MoeBatch {
+                    tokens: plan.new_tokens() * dp,
+                    sequences: plan.chunks.len() as u64 * dp,
+                },
+            );
+            plan.expert_imbalance = moe.imbalance;
+            extra = moe.reassignment_cost_ns;
+            self.reassignments += u64::from(moe.reassigned);
+            self.reassignment_ns += extra.0;
+        }
+        self.imbalance_sums[0].0 += plan.expert_imbalance;
+        self.imbalance_sums[0].1 += 1;
         for c in &plan.chunks {
             let st = &mut self.state[c.request.0 as usize];
             if st.first_step == Nanos::ZERO {
@@ -1023,7 +1166,7 @@ impl<'a> Sim<'a> {
         }
         self.backend
             .execute(now, &self.prefill_plans[e], &mut self.report);
-        let d = self.report.duration;
+        let d = self.report.duration + extra;
         let s = &mut self.prefill_stats[e];
         s.busy_ns += d.0;
         s.steps += 1;
@@ -1035,6 +1178,10 @@ impl<'a> Sim<'a> {
         s.batch += plan.chunks.len() as u64;
         self.cur_prefill_tokens += toks;
         self.cur_prefill_busy += d.0;
+        if self.in_steady(now) {
+            self.steady.prefill_busy_ns += d.0;
+            self.steady.prefill_tokens += toks;
+        }
         self.q.push(now + d, Ev::PrefillDone(e as u32));
     }
 
@@ -1139,7 +1286,38 @@ impl<'a> Sim<'a> {
             return;
         }
         d.in_flight = true;
+        if let Some(m) = self.decode_moe.get_mut(g) {
+            let StepPlan::Decode(p) = &mut d.plans[0] else {
+                unreachable!("decode plan")
+            };
+            let queries: u64 = p
+                .ranks
+                .iter()
+                .map(|r| u64::from(r.seq_end - r.seq_start) + u64::from(r.verify_budget))
+                .sum();
+            let moe = m.step(
+                now,
+                MoeBatch {
+                    tokens: queries,
+                    sequences: p.seqs.len() as u64,
+                },
+            );
+            p.expert_imbalance = moe.imbalance;
+            // The weight shuffle runs after the step, before the next one.
+            d.report.duration = moe.reassignment_cost_ns;
+            self.reassignments += u64::from(moe.reassigned);
+            self.reassignment_ns += moe.reassignment_cost_ns.0;
+        } else {
+            d.report.duration = Nanos::ZERO;
+        }
+        let extra = d.report.duration;
+        let StepPlan::Decode(p) = &d.plans[0] else {
+            unreachable!("decode plan")
+        };
+        self.imbalance_sums[1].0 += p.expert_imbalance;
+        self.imbalance_sums[1].1 += 1;
         self.backend.execute(now, &d.plans[0], &mut d.report);
+        d.report.duration += extra;
         let dur = d.report.duration;
         let s = &mut self.decode_stats[g];
         s.busy_ns += dur.0;
@@ -1151,12 +1329,21 @@ impl<'a> Sim<'a> {
         self.cur_kv += kv as f64 / cap * dur.0 as f64;
         self.cur_decode_seq_steps += p.seqs.len() as u64;
         self.cur_decode_steps += u64::from(group.ranks());
-        self.verified += d
+        let verified = d
             .report
             .seqs
             .iter()
             .map(|o| u64::from(o.verified))
             .sum::<u64>();
+        self.verified += verified;
+        if now >= self.steady_window.0 && now < self.steady_window.1 {
+            let st = &mut self.steady;
+            st.decode_busy_ns += dur.0;
+            st.decode_steps += 1;
+            st.decode_seq_steps += p.seqs.len() as u64;
+            st.decode_rank_steps += u64::from(group.ranks());
+            st.verified += verified;
+        }
         self.q.push(now + dur, Ev::DecodeDone(g as u32));
     }
 
@@ -1179,6 +1366,11 @@ impl<'a> Sim<'a> {
             group.apply_report(p, &d.report, &mut self.emissions);
         }
         let emissions = std::mem::take(&mut self.emissions);
+        // Credited to the step's start, like its busy time.
+        if self.in_steady(now - self.decode[g].report.duration) {
+            self.steady.decode_emissions += emissions.len() as u64;
+            self.steady.decode_tokens += emissions.iter().map(|e| u64::from(e.tokens)).sum::<u64>();
+        }
         for e in &emissions {
             let i = e.request.0 as usize;
             let st = &mut self.state[i];
@@ -1394,6 +1586,30 @@ impl<'a> Sim<'a> {
             });
         }
         let swa = self.swa.stats();
+        let st = &self.steady;
+        let (w0, w1) = self.steady_window;
+        let span_ns = w1.saturating_sub(w0).0.max(1) as f64;
+        let ranks = f64::from(self.cfg.decode.ranks);
+        let steady = SteadyState {
+            start_s: w0.as_secs_f64(),
+            end_s: w1.max(w0).as_secs_f64(),
+            decode_tokens_per_s_per_gpu: st.decode_tokens as f64
+                / (st.decode_busy_ns.max(1) as f64 / 1e9)
+                / ranks,
+            decode_tokens_per_s_per_gpu_wall: st.decode_tokens as f64
+                / (span_ns / 1e9)
+                / decode_gpus,
+            decode_seqs_per_rank: st.decode_seq_steps as f64 / st.decode_rank_steps.max(1) as f64,
+            decode_utilisation: st.decode_busy_ns as f64
+                / span_ns
+                / f64::from(self.cfg.decode.groups),
+            decode_step_ms: st.decode_busy_ns as f64 / st.decode_steps.max(1) as f64 / 1e6,
+            verified_drafts_per_seq_step: st.verified as f64 / st.decode_seq_steps.max(1) as f64,
+            accepted_length: st.decode_tokens as f64 / st.decode_emissions.max(1) as f64,
+            prefill_tokens_per_s_per_gpu: st.prefill_tokens as f64
+                / (st.prefill_busy_ns.max(1) as f64 / 1e9),
+            prefill_utilisation: st.prefill_busy_ns as f64 / span_ns / prefill_gpus,
+        };
         Ok(ServiceReport {
             arrivals,
             completed: self.completed,
@@ -1431,6 +1647,13 @@ impl<'a> Sim<'a> {
                 / (decode_gpus / f64::from(self.cfg.decode.ranks)),
             swa_hit_rate: swa.hits as f64 / swa.lookups.max(1) as f64,
             store_used_bytes: self.store.used_bytes(),
+            prefill_mean_imbalance: self.imbalance_sums[0].0
+                / self.imbalance_sums[0].1.max(1) as f64,
+            decode_mean_imbalance: self.imbalance_sums[1].0
+                / self.imbalance_sums[1].1.max(1) as f64,
+            moe_reassignments: self.reassignments,
+            moe_reassignment_s: self.reassignment_ns as f64 / 1e9,
+            steady,
             full_prefix_lookups: self.full_lookups,
             memo_prefix_lookups: self.memo_lookups,
             requests: self.rows,

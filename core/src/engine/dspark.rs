@@ -34,7 +34,25 @@ pub enum VerificationPolicy {
         /// Extra consecutive rounds a switch must be confirmed in (SPEC §6: a second round).
         #[serde(default = "one")]
         confirmation_rounds: u32,
+        /// Whose confidences and step time fix each rank's budget.
+        #[serde(default)]
+        budget: BudgetScope,
     },
+}
+
+/// How the ranks of a lockstep group get their verification budgets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BudgetScope {
+    /// The group step lasts as long as its slowest rank: the budget is optimised for the rank
+    /// predicted slowest, on the confidences of every rank pooled (thousands of drafts, so the
+    /// budget does not follow one rank's noise), and every other rank verifies as many drafts
+    /// as fit in that rank's predicted time (verifying more costs the group nothing).
+    #[default]
+    Group,
+    /// Each rank optimises its own budget on its own last confidences, as if it ran alone (the
+    /// simpler alternative: the slowest rank's noise sets the group's step time).
+    Rank,
 }
 
 fn one() -> u32 {
@@ -170,6 +188,16 @@ impl Default for ConfidenceHistogram {
 }
 
 impl ConfidenceHistogram {
+    /// Adds another histogram's counts (pooling ranks).
+    pub fn merge(&mut self, other: &ConfidenceHistogram) {
+        self.seqs += other.seqs;
+        for (a, b) in self.count.iter_mut().zip(&other.count) {
+            *a += b;
+        }
+        for (a, b) in self.sum.iter_mut().zip(&other.sum) {
+            *a += b;
+        }
+    }
     pub fn clear(&mut self) {
         self.seqs = 0;
         self.count.iter_mut().for_each(|c| *c = 0);
@@ -225,6 +253,35 @@ pub fn choose_budget(model: &DecodeTimeModel, seen: &ConfidenceHistogram, at: Bu
         }
     }
     (best.1.round() as u32).min(at.max_drafts)
+}
+
+/// The largest budget `b <= max_drafts` whose predicted step time stays within `limit_ns`
+/// (0 when even no drafts exceed it): a rank that is not the slowest of a lockstep group verifies
+/// for free up to the slowest rank's time.
+pub fn budget_within(
+    model: &DecodeTimeModel,
+    at: BudgetInputs,
+    dynamic: bool,
+    limit_ns: f64,
+) -> u32 {
+    let t = |b: u32| model.predict_ns(at.seqs, at.kv_tokens, at.seqs + b, dynamic, at.imbalance);
+    if t(at.max_drafts) <= limit_ns {
+        return at.max_drafts;
+    }
+    // Step time rises with the budget: binary search for the last budget within the limit.
+    let (mut lo, mut hi) = (0u32, at.max_drafts);
+    if t(0) > limit_ns {
+        return 0;
+    }
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if t(mid) <= limit_ns {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// The split kernel: verify the `budget` drafts with the highest cumulative confidence. `conf`
@@ -317,6 +374,35 @@ mod tests {
             choose_budget(&model(), &ConfidenceHistogram::default(), at),
             2
         );
+    }
+
+    #[test]
+    fn budget_within_a_time_limit() {
+        // One sequence, 1000 + 100 × (1 + b) ns.
+        let at = BudgetInputs {
+            seqs: 1,
+            kv_tokens: 0,
+            max_drafts: 10,
+            imbalance: 1.0,
+        };
+        assert_eq!(budget_within(&model(), at, false, 1500.0), 4);
+        assert_eq!(budget_within(&model(), at, false, 1499.0), 3);
+        assert_eq!(budget_within(&model(), at, false, 100.0), 0);
+        assert_eq!(budget_within(&model(), at, false, 1e9), 10);
+    }
+
+    #[test]
+    fn merged_histograms_add_up() {
+        let (mut a, mut b) = (
+            ConfidenceHistogram::default(),
+            ConfidenceHistogram::default(),
+        );
+        a.add(&[0.9, 0.5], 2);
+        b.add(&[0.9], 1);
+        a.merge(&b);
+        assert_eq!(a.seqs, 3);
+        assert_eq!(a.count[ConfidenceHistogram::bin(0.9)], 3);
+        assert!((a.sum[ConfidenceHistogram::bin(0.9)] - 2.7).abs() < 1e-12);
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod vote;
 pub use decode::{
     DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy, Scheduling, SeqEmission,
 };
-pub use dspark::{ConfidenceHistogram, DecodeTimeModel, VerificationPolicy};
+pub use dspark::{BudgetScope, ConfidenceHistogram, DecodeTimeModel, VerificationPolicy};
 pub use plan::{
     Backend, DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk, PrefillPlan, RankOutcome,
     SeqOutcome, StepPlan, StepReport,
