@@ -34,6 +34,8 @@ enum Command {
     Econ(cmd::econ::Args),
     /// Capacity planning: the fewest prefill and decode GPUs meeting SLOs, and the store size.
     Plan(cmd::plan::Args),
+    /// The GPU engine: calibration, conformance with the simulator, speed ratios, checks.
+    Hw(cmd::hw::Args),
 }
 
 fn main() -> ExitCode {
@@ -45,6 +47,7 @@ fn main() -> ExitCode {
         Command::Eplb(a) => cmd::eplb::run(a),
         Command::Econ(a) => cmd::econ::run(a),
         Command::Plan(a) => cmd::plan::run(a),
+        Command::Hw(a) => cmd::hw::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [speed args...]
 # Writes (at most 8 files, the device tool's limit) to $OUT (or ./gpu-out when unset):
-# env.txt, tests.log, test-report.md, speed.md, backend-check.md, h200-measured.toml and
-# json.tgz (test-report.json, speed.json, backend-check.json, h200-measured.sweep.json).
-# SKIP_SPEED=1 / SKIP_CALIBRATE=1 / SKIP_CHECK=1 skip those parts.
+# env.txt, tests.log, test-report.md, backend-check.md, h200-measured.toml, conformance.md,
+# speed.md and json.tgz (test-report.json, backend-check.json, h200-measured.sweep.json,
+# conformance.json, conformance-record.json, speed.json).
+# SKIP_TESTS=1 / SKIP_CHECK=1 / SKIP_CALIBRATE=1 / SKIP_CONFORMANCE=1 / SKIP_SPEED=1 skip those parts.
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -32,6 +33,7 @@ cat "$out/env.txt"
 status=0
 : > "$out/tests.log"
 for t in "$b"/tests/*; do
+  [[ "${SKIP_TESTS:-0}" == 1 ]] && break
   echo "=== $(basename "$t")" | tee -a "$out/tests.log"
   if ! timeout 180 "$t" --test-threads=1 --nocapture >> "$out/tests.log" 2>&1; then
     echo "FAILED: $(basename "$t")" | tee -a "$out/tests.log"; status=1
@@ -39,21 +41,26 @@ for t in "$b"/tests/*; do
   grep -E "^test result|skipped|FAILED" "$out/tests.log" | tail -3
 done
 
-timeout 180 "$b/servelab-gpu" test-report --out "$out" --date "$date_utc" > /dev/null 2>&1 || status=1
-tail -n 40 "$out/test-report.md" 2>/dev/null
+commit=$(cat "$b/commit" 2>/dev/null || echo unknown)
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+if [[ "${SKIP_CHECK:-0}" != 1 ]]; then
+  timeout 300 "$b/servelab-gpu" check --out "$out" --date "$date_utc" > /dev/null 2>&1 || status=1
+  tail -n 8 "$out/test-report.md" 2>/dev/null; cat "$out/backend-check.md" 2>/dev/null
+fi
+# Calibrate first: conformance predicts with the profile measured here, on this build.
+if [[ "${SKIP_CALIBRATE:-0}" != 1 ]]; then
+  timeout 400 "$b/servelab-gpu" calibrate --out "$out/h200-measured.toml" \
+    --date "$date_utc" --commit "$commit" --driver "$driver" > /dev/null || status=1
+  grep -E "^# \|relative|^\[|^[a-z_]+ =" "$out/h200-measured.toml" 2>/dev/null
+fi
+if [[ "${SKIP_CONFORMANCE:-0}" != 1 && -f experiments/configs/conformance.toml ]]; then
+  prof=(); [[ -f "$out/h200-measured.toml" ]] && prof=(--profile "$out/h200-measured.toml")
+  timeout 300 "$b/servelab-gpu" conformance experiments/configs/conformance.toml "${prof[@]}" \
+    --out "$out" --date "$date_utc" --commit "$commit" || status=1
+fi
 if [[ "${SKIP_SPEED:-0}" != 1 ]]; then
   timeout 300 "$b/servelab-gpu" speed --out "$out" --date "$date_utc" "$@" > /dev/null || status=1
   cat "$out/speed.md" 2>/dev/null
-fi
-commit=$(cat "$b/commit" 2>/dev/null || echo unknown)
-if [[ "${SKIP_CHECK:-0}" != 1 ]]; then
-  timeout 300 "$b/servelab-gpu" backend-check --out "$out" || status=1
-fi
-if [[ "${SKIP_CALIBRATE:-0}" != 1 ]]; then
-  timeout 400 "$b/servelab-gpu" calibrate --out "$out/h200-measured.toml" \
-    --date "$date_utc" --commit "$commit" \
-    --driver "$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)" \
-    > /dev/null || status=1
 fi
 (cd "$out" && tar czf json.tgz --remove-files $(ls *.json 2>/dev/null) 2>/dev/null)
 exit $status

@@ -32,15 +32,19 @@ pub struct CalibrateConfig {
 }
 
 impl CalibrateConfig {
+    /// The operating range of the conformance workload and of SPEC-like steps on the small
+    /// model: chunks of 128–8,192 tokens over prefixes up to 16K, decode batches of 1–64 with
+    /// 1–6 query tokens. Five timed repetitions per shape: step times on this backend carry
+    /// host-side jitter (eager launches, one host sync per MoE layer), so medians need them.
     pub fn full() -> Self {
         Self {
-            prefill_new: vec![512, 2048, 8192],
-            prefill_prefix: vec![0, 4096, 16_384],
+            prefill_new: vec![128, 512, 1024, 2048, 4096, 8192],
+            prefill_prefix: vec![0, 2048, 8192, 16_384],
             replay_tokens: 140,
-            decode_batch: vec![1, 8, 32, 64],
-            decode_kv: vec![1024, 4096, 16_384],
-            decode_query: vec![1, 4],
-            reps: 3,
+            decode_batch: vec![1, 2, 4, 8, 16, 32, 64],
+            decode_kv: vec![1024, 4096, 8192, 16_384],
+            decode_query: vec![1, 3, 6],
+            reps: 5,
         }
     }
 

@@ -5,6 +5,8 @@
 pub mod backend;
 pub mod calibrate;
 pub mod checks;
+pub mod commands;
+pub mod conformance;
 pub mod report;
 pub mod speed;
 pub mod timing;

@@ -244,6 +244,12 @@ pub fn measure_decode(
                 (32, 2, 8, 1, true, false),
                 (16, 2, 8, 2, false, false),
                 (16, 2, 4, 2, true, false),
+                // run4: fewer warps with headroom under the register cap (the 16-warp
+                // default spills 72 B), and 32-key tiles on padded rows
+                (16, 2, 12, 1, false, false),
+                (16, 2, 16, 1, false, true),
+                (32, 2, 8, 1, false, false),
+                (32, 2, 6, 1, false, false),
             ] {
                 let c = MmaConfig {
                     keys_per_tile,
@@ -290,7 +296,7 @@ pub fn measure_decode(
             att.set_mma_tiles(gpu, *c)?;
         }
         let resources = att.split_resources();
-        for tps in [default_tps, 256, 512, 1024, 2048] {
+        for tps in [default_tps, 256, 512, 768, 1024, 1536, 2048] {
             if tried.contains(&(tps, *tiles)) {
                 continue;
             }

@@ -2,6 +2,7 @@
 pub mod econ;
 pub mod eplb;
 pub mod hit;
+pub mod hw;
 pub mod plan;
 pub mod replay;
 pub mod run;

@@ -1,16 +1,18 @@
-//! `servelab-gpu`: runs the GPU checks and speed measurements on a GPU machine, without the
-//! main `servelab` binary. See hw/README.md.
+//! `servelab-gpu`: runs the GPU checks, speed measurements, calibration and conformance on a
+//! GPU machine, without the main `servelab` binary (which needs polars). See hw/README.md.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
-use servelab_hw::backend::{BackendConfig, CudaBackend, ModelShape};
-use servelab_hw::{calibrate, checks, report, speed};
-use servelab_kernels::GpuContext;
+use servelab_hw::commands::{self, CalibrateOptions, CommandError, ConformanceOptions};
+use servelab_hw::conformance::{ConformanceFile, dry_run};
 
 #[derive(Parser)]
-#[command(name = "servelab-gpu", about = "GPU kernel checks and speed report")]
+#[command(
+    name = "servelab-gpu",
+    about = "GPU kernel checks, speed, calibration and conformance"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -18,16 +20,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// NVRTC-compile every kernel variant, then check every kernel against its CPU reference.
-    TestReport {
+    /// NVRTC-compile every kernel variant, check every kernel against its CPU reference, then
+    /// the backend's cache-hit and replay checks.
+    Check {
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Directory for test-report.md / .json
+        /// Directory for test-report.* and backend-check.*
         #[arg(long)]
         out: Option<PathBuf>,
         /// Date stamped into the report (the script passes `date -u +%F`)
         #[arg(long, default_value = "unknown")]
         date: String,
+        /// Small backend model for the backend checks
+        #[arg(long)]
+        quick: bool,
     },
     /// Measure speed against this GPU's own copy / GEMM / pinned-copy ceilings.
     Speed {
@@ -63,83 +69,59 @@ enum Cmd {
         #[arg(long)]
         driver: Option<String>,
     },
-    /// Backend correctness: cache hit + compute vs the cold path, bounded vs full replay.
-    BackendCheck {
+    /// Run a workload through the policies on the GPU, replay it, predict every step with the
+    /// simulator and compare latency distributions (SPEC §16).
+    Conformance {
+        config: PathBuf,
+        #[arg(long, default_value = ".")]
+        out: PathBuf,
+        /// Profile (name or .toml) instead of the config's `profile`
         #[arg(long)]
-        out: Option<PathBuf>,
+        profile: Option<String>,
+        /// Analyse a record of an earlier GPU run (no GPU needed)
         #[arg(long)]
-        quick: bool,
+        record: Option<PathBuf>,
+        /// Free-run the cost model only (sizing a config; no GPU needed)
+        #[arg(long)]
+        dry_run: bool,
+        #[arg(long, default_value = "unknown")]
+        date: String,
+        #[arg(long, default_value = "unknown")]
+        commit: String,
+        /// File name prefix of the outputs
+        #[arg(long, default_value = "")]
+        prefix: String,
     },
 }
 
-fn write(out: &Option<PathBuf>, name: &str, text: &str) {
-    let Some(dir) = out else { return };
-    if let Err(e) = std::fs::create_dir_all(dir).and_then(|_| std::fs::write(dir.join(name), text))
-    {
-        eprintln!("cannot write {}: {e}", dir.join(name).display());
-    }
+fn log(l: &str) {
+    eprintln!("{l}");
 }
 
-fn open_gpu() -> GpuContext {
-    match GpuContext::try_new() {
-        Ok(Some(g)) => g,
-        Ok(None) => {
-            eprintln!("no GPU: libcuda not found or no device");
-            std::process::exit(2);
-        }
-        Err(e) => {
-            eprintln!("GPU present but unusable: {e}");
-            std::process::exit(1);
-        }
-    }
+fn gpu() -> Result<Arc<servelab_kernels::GpuContext>, CommandError> {
+    commands::open_gpu().map(Arc::new)
 }
 
-fn main() {
-    let cli = Cli::parse();
-    match cli.cmd {
-        Cmd::TestReport { seed, out, date } => {
-            let gpu = open_gpu();
-            let mut md = report::header(
-                &gpu.name(),
-                gpu.compute_capability(),
-                gpu.driver_version(),
-                &date,
-            );
-            let t0 = Instant::now();
-            match servelab_kernels::sources::compile_all(gpu.compute_capability()) {
-                Ok(v) => md.push_str(&format!(
-                    "NVRTC compiled {} kernel variants in {:.2} s.\n\n",
-                    v.len(),
-                    t0.elapsed().as_secs_f64()
-                )),
-                Err(e) => md.push_str(&format!("NVRTC compile FAILED: {e}\n\n")),
-            }
-            let results = servelab_kernels::check::run_all(&gpu, seed);
-            md.push_str(&report::checks_markdown(&results));
-            let failed = results
-                .iter()
-                .filter(|r| !matches!(r, Ok(c) if c.passed))
-                .count();
-            md.push_str(&format!("\n{} checks, {failed} failed.\n", results.len()));
+fn run(cmd: Cmd) -> Result<(), CommandError> {
+    match cmd {
+        Cmd::Check {
+            seed,
+            out,
+            date,
+            quick,
+        } => {
+            let md = commands::check(gpu()?, seed, quick, out.as_deref(), &date)?;
             println!("{md}");
-            write(&out, "test-report.md", &md);
-            let json: Vec<serde_json::Value> = results
-                .iter()
-                .map(|r| match r {
-                    Ok(c) => serde_json::to_value(c).unwrap_or_default(),
-                    Err((n, e)) => {
-                        serde_json::json!({"name": n, "error": e.to_string(), "passed": false})
-                    }
-                })
-                .collect();
-            write(
-                &out,
-                "test-report.json",
-                &serde_json::to_string_pretty(&json).unwrap_or_default(),
-            );
-            if failed > 0 {
-                std::process::exit(1);
-            }
+        }
+        Cmd::Speed {
+            seed,
+            quick,
+            out,
+            date,
+        } => {
+            let g = gpu()?;
+            let md = commands::speed(&g, quick, seed, out.as_deref(), &date, &mut log)?;
+            println!("{md}");
         }
         Cmd::Calibrate {
             out,
@@ -149,191 +131,82 @@ fn main() {
             date,
             commit,
             driver,
-        } => calibrate(out, sweep_out, quick, name, date, commit, driver),
-        Cmd::BackendCheck { out, quick } => backend_check(out, quick),
-        Cmd::Speed {
-            seed,
-            quick,
-            out,
-            date,
         } => {
-            let gpu = open_gpu();
-            let cfg = if quick {
-                speed::SpeedConfig::quick(seed)
-            } else {
-                speed::SpeedConfig::full(seed)
+            let o = CalibrateOptions {
+                out,
+                sweep_out,
+                quick,
+                name,
+                date,
+                commit,
+                driver,
             };
-            match speed::run(&gpu, &cfg, |l| eprintln!("{l}")) {
-                Ok(rep) => {
-                    let md = format!(
-                        "{}{}",
-                        report::header(&rep.gpu, rep.compute_capability, rep.driver_version, &date),
-                        report::speed_markdown(&rep)
-                    );
-                    println!("{md}");
-                    write(&out, "speed.md", &md);
-                    write(
-                        &out,
-                        "speed.json",
-                        &serde_json::to_string_pretty(&rep).unwrap_or_default(),
-                    );
-                }
-                Err(e) => {
-                    eprintln!("speed failed: {e}");
-                    std::process::exit(1);
-                }
-            }
+            let text = commands::calibrate(gpu()?, &o, &mut log)?;
+            println!("{text}");
         }
-    }
-}
-
-fn backend(quick: bool, hbm_blocks: usize) -> CudaBackend {
-    let gpu = std::sync::Arc::new(open_gpu());
-    let model = if quick {
-        ModelShape {
-            encoder_layers: 4,
-            decoder_layers: 4,
-            hidden: 512,
-            experts: 4,
-            expert_ffn: 512,
-            vocab: 2048,
-            ..ModelShape::default()
-        }
-    } else {
-        ModelShape::default()
-    };
-    let cfg = BackendConfig {
-        model,
-        hbm_blocks,
-        host_blocks: 256,
-        ring_slots: 80,
-        swa_host_slots: 16,
-        ..BackendConfig::default()
-    };
-    match CudaBackend::new(gpu, cfg) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("backend init failed: {e}");
-            std::process::exit(1);
-        }
-    }
-}
-
-fn calibrate(
-    out: PathBuf,
-    sweep_out: Option<PathBuf>,
-    quick: bool,
-    name: String,
-    date: String,
-    commit: String,
-    driver: Option<String>,
-) {
-    let t0 = Instant::now();
-    let mut b = backend(quick, if quick { 512 } else { 8448 });
-    eprintln!("backend ready in {:.1} s", t0.elapsed().as_secs_f64());
-    let cfg = if quick {
-        calibrate::CalibrateConfig::quick()
-    } else {
-        calibrate::CalibrateConfig::full()
-    };
-    let sweep = match calibrate::sweep(&mut b, &cfg, |l| eprintln!("{l}")) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("calibration sweep failed: {e}");
-            std::process::exit(1);
-        }
-    };
-    // Swap-in rate of SPEC-sized blocks (128 tokens x 890 B), gather kernel over mapped
-    // pinned memory: the path the backend uses.
-    let swap = match speed::measure_swap(b.gpu(), 128 * 890, if quick { 64 } else { 2048 }, 5, 1) {
-        Ok((r, _)) => r
-            .iter()
-            .find(|r| r.what.contains("gather"))
-            .map(|r| r.rate * 1e9),
-        Err(e) => {
-            eprintln!("swap measurement failed: {e}");
-            None
-        }
-    }
-    .unwrap_or(5.0e10);
-    let m = b.config().model.clone();
-    let fit = calibrate::fit(&sweep, m.encoder_layers, m.decoder_layers, swap);
-    let g = b.gpu();
-    let header = calibrate::ProfileHeader {
-        name,
-        gpu: g.name(),
-        driver: format!(
-            "{}, CUDA driver API {}",
-            driver.unwrap_or_else(|| "unknown".into()),
-            g.driver_version()
-        ),
-        date,
-        commit,
-        model: format!(
-            "{}+{} layers, hidden {}, {} kv heads x {} x d {}, {} experts top-{} ffn {}",
-            m.encoder_layers,
-            m.decoder_layers,
-            m.hidden,
-            m.kv_heads,
-            m.group,
-            m.head_dim,
-            m.experts,
-            m.top_k,
-            m.expert_ffn
-        ),
-    };
-    let text = calibrate::profile_toml(&fit, &sweep, &header);
-    println!("{text}");
-    if let Some(dir) = out.parent() {
-        let _ = std::fs::create_dir_all(dir);
-    }
-    if let Err(e) = std::fs::write(&out, &text) {
-        eprintln!("cannot write {}: {e}", out.display());
-        std::process::exit(1);
-    }
-    let sweep_path = sweep_out.unwrap_or_else(|| out.with_extension("sweep.json"));
-    let json = serde_json::json!({"config": cfg, "model": m, "sweep": sweep, "fit": fit});
-    if let Err(e) = std::fs::write(
-        &sweep_path,
-        serde_json::to_string_pretty(&json).unwrap_or_default(),
-    ) {
-        eprintln!("cannot write {}: {e}", sweep_path.display());
-    }
-    eprintln!("calibration done in {:.1} s", t0.elapsed().as_secs_f64());
-}
-
-fn backend_check(out: Option<PathBuf>, quick: bool) {
-    let mut b = backend(quick, 256);
-    let prompts: &[(usize, usize)] = if quick {
-        &[(300, 256)]
-    } else {
-        &[(600, 384), (2000, 1280)]
-    };
-    match checks::replay_checks(&mut b, prompts, 140) {
-        Ok(v) => {
-            let mut md = String::from(
-                "| comparison | max abs logit diff | mean abs | top-token agreement |\n|---|---|---|---|\n",
-            );
-            for d in &v {
-                md.push_str(&format!(
-                    "| {} | {:.4e} | {:.4e} | {:.0}% |\n",
-                    d.what,
-                    d.max_abs,
-                    d.mean_abs,
-                    100.0 * d.top_token_agreement
-                ));
-            }
-            println!("{md}");
-            write(&out, "backend-check.md", &md);
-            write(
-                &out,
-                "backend-check.json",
-                &serde_json::to_string_pretty(&v).unwrap_or_default(),
+        Cmd::Conformance {
+            config,
+            out,
+            profile,
+            record,
+            dry_run: true,
+            ..
+        } if record.is_none() => {
+            let text = std::fs::read_to_string(&config).map_err(|cause| CommandError::Io {
+                path: config.clone(),
+                cause,
+            })?;
+            let file = ConformanceFile::parse(&text, &config.display().to_string())?;
+            let spec = profile.unwrap_or_else(|| file.conformance.profile.clone());
+            let ptext = std::fs::read_to_string(&spec).map_err(|cause| CommandError::Io {
+                path: PathBuf::from(&spec),
+                cause,
+            })?;
+            let run = dry_run(&file, &ptext)?;
+            let pre = run
+                .steps
+                .iter()
+                .filter(|s| matches!(s.plan, servelab_core::engine::StepPlan::Prefill(_)))
+                .count();
+            println!(
+                "dry run: {} requests, {} steps ({pre} prefill), {:.1} ms of simulated device time (out {})",
+                run.requests.len(),
+                run.steps.len(),
+                run.end_ns as f64 / 1e6,
+                out.display()
             );
         }
-        Err(e) => {
-            eprintln!("backend check failed: {e}");
-            std::process::exit(1);
+        Cmd::Conformance {
+            config,
+            out,
+            profile,
+            record,
+            date,
+            commit,
+            prefix,
+            ..
+        } => {
+            let o = ConformanceOptions {
+                config,
+                out,
+                profile,
+                record,
+                date,
+                commit,
+                prefix,
+            };
+            commands::conformance(&o, &mut log)?;
         }
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse().cmd) {
+        eprintln!("error: {e}");
+        std::process::exit(match e {
+            CommandError::NoGpu => 2,
+            _ => 1,
+        });
     }
 }

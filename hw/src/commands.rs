@@ -1,0 +1,459 @@
+//! The GPU commands shared by `servelab-gpu` (runs on a GPU machine without the main binary)
+//! and `servelab hw`: calibrate, conformance, speed, check. Each writes its files to a folder
+//! and reports progress through `log`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use servelab_kernels::GpuContext;
+use servelab_sim::profile::HardwareProfile;
+
+use crate::backend::{BackendConfig, BackendError, CudaBackend, ModelShape};
+use crate::conformance::{self, ConformanceError, ConformanceFile, Record};
+use crate::{calibrate, checks, report, speed};
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error(
+        "no GPU: the CUDA driver library (libcuda) was not found or no device is visible; run \
+         this on a GPU machine (see hw/README.md for the build-here, run-there bundle)"
+    )]
+    NoGpu,
+    #[error("GPU present but unusable: {0}")]
+    Gpu(#[from] servelab_kernels::KernelError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Conformance(#[from] ConformanceError),
+    #[error(transparent)]
+    Config(#[from] servelab_core::ConfigError),
+    #[error("{path}: {cause}")]
+    Io {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("{path}: {cause}")]
+    Json {
+        path: PathBuf,
+        cause: serde_json::Error,
+    },
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The first GPU, or [`CommandError::NoGpu`].
+pub fn open_gpu() -> Result<GpuContext, CommandError> {
+    match GpuContext::try_new()? {
+        Some(g) => Ok(g),
+        None => Err(CommandError::NoGpu),
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> Result<PathBuf, CommandError> {
+    let path = dir.join(name);
+    std::fs::create_dir_all(dir)
+        .and_then(|_| std::fs::write(&path, text))
+        .map_err(|cause| CommandError::Io {
+            path: path.clone(),
+            cause,
+        })?;
+    Ok(path)
+}
+
+fn read(path: &Path) -> Result<String, CommandError> {
+    std::fs::read_to_string(path).map_err(|cause| CommandError::Io {
+        path: path.to_path_buf(),
+        cause,
+    })
+}
+
+/// The backend the calibration and the backend checks use (`quick`: 4 + 4 small layers).
+pub fn bench_backend(
+    gpu: Arc<GpuContext>,
+    quick: bool,
+    hbm_blocks: usize,
+) -> Result<CudaBackend, BackendError> {
+    let model = if quick {
+        ModelShape {
+            encoder_layers: 4,
+            decoder_layers: 4,
+            hidden: 512,
+            experts: 4,
+            expert_ffn: 512,
+            vocab: 2048,
+            ..ModelShape::default()
+        }
+    } else {
+        ModelShape::default()
+    };
+    CudaBackend::new(
+        gpu,
+        BackendConfig {
+            model,
+            hbm_blocks,
+            host_blocks: 256,
+            ring_slots: 80,
+            swa_host_slots: 16,
+            ..BackendConfig::default()
+        },
+    )
+}
+
+/// Options of the calibration.
+#[derive(Debug, Clone)]
+pub struct CalibrateOptions {
+    pub out: PathBuf,
+    /// Raw sweep JSON (default: next to the profile, `.sweep.json`).
+    pub sweep_out: Option<PathBuf>,
+    pub quick: bool,
+    pub name: String,
+    pub date: String,
+    pub commit: String,
+    pub driver: Option<String>,
+}
+
+/// Sweeps step shapes through the CUDA backend, fits the profile and writes it. Returns the
+/// profile text.
+pub fn calibrate(
+    gpu: Arc<GpuContext>,
+    o: &CalibrateOptions,
+    log: &mut dyn FnMut(&str),
+) -> Result<String, CommandError> {
+    let t0 = Instant::now();
+    let mut b = bench_backend(gpu, o.quick, if o.quick { 512 } else { 8448 })?;
+    log(&format!(
+        "backend ready in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    ));
+    let cfg = if o.quick {
+        calibrate::CalibrateConfig::quick()
+    } else {
+        calibrate::CalibrateConfig::full()
+    };
+    let sweep = calibrate::sweep(&mut b, &cfg, &mut *log)?;
+    // Swap-in rate of SPEC-sized blocks (128 tokens x 890 B), gather kernel over mapped
+    // pinned memory: the path the backend uses.
+    let swap = match speed::measure_swap(b.gpu(), 128 * 890, if o.quick { 64 } else { 2048 }, 5, 1)
+    {
+        Ok((r, _)) => r
+            .iter()
+            .find(|r| r.what.contains("gather"))
+            .map(|r| r.rate * 1e9),
+        Err(e) => {
+            log(&format!("swap measurement failed: {e}"));
+            None
+        }
+    }
+    .unwrap_or(5.0e10);
+    let m = b.config().model.clone();
+    let fit = calibrate::fit(&sweep, m.encoder_layers, m.decoder_layers, swap);
+    let g = b.gpu();
+    let header = calibrate::ProfileHeader {
+        name: o.name.clone(),
+        gpu: g.name(),
+        driver: format!(
+            "{}, CUDA driver API {}",
+            o.driver.clone().unwrap_or_else(|| "unknown".into()),
+            g.driver_version()
+        ),
+        date: o.date.clone(),
+        commit: o.commit.clone(),
+        model: format!(
+            "{}+{} layers, hidden {}, {} kv heads x {} x d {}, {} experts top-{} ffn {}",
+            m.encoder_layers,
+            m.decoder_layers,
+            m.hidden,
+            m.kv_heads,
+            m.group,
+            m.head_dim,
+            m.experts,
+            m.top_k,
+            m.expert_ffn
+        ),
+    };
+    let text = calibrate::profile_toml(&fit, &sweep, &header);
+    let dir = o.out.parent().unwrap_or(Path::new("."));
+    let name = o
+        .out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "profile.toml".into());
+    write(dir, &name, &text)?;
+    let sweep_path = o
+        .sweep_out
+        .clone()
+        .unwrap_or_else(|| o.out.with_extension("sweep.json"));
+    let json = serde_json::json!({"config": cfg, "model": m, "sweep": sweep, "fit": fit});
+    write(
+        sweep_path.parent().unwrap_or(Path::new(".")),
+        &sweep_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "sweep.json".into()),
+        &serde_json::to_string_pretty(&json).unwrap_or_default(),
+    )?;
+    log(&format!(
+        "calibration done in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    ));
+    Ok(text)
+}
+
+/// Options of the conformance run.
+#[derive(Debug, Clone)]
+pub struct ConformanceOptions {
+    pub config: PathBuf,
+    pub out: PathBuf,
+    /// Profile for the policies and the prediction, instead of the config's `profile`.
+    pub profile: Option<String>,
+    /// Analyse this record (from an earlier GPU run) instead of running the GPU.
+    pub record: Option<PathBuf>,
+    pub date: String,
+    pub commit: String,
+    /// File name prefix of the outputs (e.g. `2026-11-29-nvidia-h200-`).
+    pub prefix: String,
+}
+
+/// Runs (or loads) the GPU record, then replays, predicts and free-runs it; writes
+/// `conformance.md`, `conformance.json` and `conformance-record.json` under `out`.
+pub fn conformance(
+    o: &ConformanceOptions,
+    log: &mut dyn FnMut(&str),
+) -> Result<conformance::Analysis, CommandError> {
+    let record: Record = match &o.record {
+        Some(path) => serde_json::from_str(&read(path)?).map_err(|cause| CommandError::Json {
+            path: path.clone(),
+            cause,
+        })?,
+        None => {
+            let origin = o.config.display().to_string();
+            let text = read(&o.config)?;
+            let file = ConformanceFile::parse(&text, &origin)?;
+            let spec = o
+                .profile
+                .clone()
+                .unwrap_or_else(|| file.conformance.profile.clone());
+            // Loaded (and validated) here; its text goes into the record.
+            HardwareProfile::resolve(&spec)?;
+            let profile_text = if spec.ends_with(".toml") {
+                read(Path::new(&spec))?
+            } else {
+                servelab_sim::profile::SM100_PUBLISHED.to_string()
+            };
+            let gpu = Arc::new(open_gpu()?);
+            let t0 = Instant::now();
+            let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+            log(&format!(
+                "backend ready in {:.1} s",
+                t0.elapsed().as_secs_f64()
+            ));
+            let t1 = Instant::now();
+            let rec =
+                conformance::run_on_gpu(&mut b, &text, &origin, &profile_text, &o.date, &o.commit)?;
+            log(&format!(
+                "GPU run: {} steps, {:.1} ms of device time, {:.1} s wall",
+                rec.run.steps.len(),
+                rec.run.end_ns as f64 / 1e6,
+                t1.elapsed().as_secs_f64()
+            ));
+            write(
+                &o.out,
+                &format!("{}conformance-record.json", o.prefix),
+                &serde_json::to_string(&rec).unwrap_or_default(),
+            )?;
+            rec
+        }
+    };
+    let profile = match &o.profile {
+        Some(spec) => HardwareProfile::resolve(spec)?,
+        None => HardwareProfile::from_toml_str(&record.policy_profile, "record.profile")?,
+    };
+    let a = conformance::analyze(&record, profile)?;
+    let md = conformance::markdown(&a);
+    write(&o.out, &format!("{}conformance.md", o.prefix), &md)?;
+    write(
+        &o.out,
+        &format!("{}conformance.json", o.prefix),
+        &serde_json::to_string_pretty(&a).unwrap_or_default(),
+    )?;
+    log(&md);
+    Ok(a)
+}
+
+/// Speed against this GPU's own ceilings; writes `speed.md` / `.json`. Returns the markdown.
+pub fn speed(
+    gpu: &GpuContext,
+    quick: bool,
+    seed: u64,
+    out: Option<&Path>,
+    date: &str,
+    log: &mut dyn FnMut(&str),
+) -> Result<String, CommandError> {
+    let cfg = if quick {
+        speed::SpeedConfig::quick(seed)
+    } else {
+        speed::SpeedConfig::full(seed)
+    };
+    let rep = speed::run(gpu, &cfg, &mut *log)?;
+    let md = format!(
+        "{}{}",
+        report::header(&rep.gpu, rep.compute_capability, rep.driver_version, date),
+        report::speed_markdown(&rep)
+    );
+    if let Some(dir) = out {
+        write(dir, "speed.md", &md)?;
+        write(
+            dir,
+            "speed.json",
+            &serde_json::to_string_pretty(&rep).unwrap_or_default(),
+        )?;
+    }
+    Ok(md)
+}
+
+/// Kernel checks against the CPU references (after compiling every variant) and the backend's
+/// cache-hit and replay checks; writes `test-report.*` and `backend-check.*`. Fails if any
+/// kernel check fails.
+pub fn check(
+    gpu: Arc<GpuContext>,
+    seed: u64,
+    quick: bool,
+    out: Option<&Path>,
+    date: &str,
+) -> Result<String, CommandError> {
+    let mut md = report::header(
+        &gpu.name(),
+        gpu.compute_capability(),
+        gpu.driver_version(),
+        date,
+    );
+    let t0 = Instant::now();
+    match servelab_kernels::sources::compile_all(gpu.compute_capability()) {
+        Ok(v) => md.push_str(&format!(
+            "NVRTC compiled {} kernel variants in {:.2} s.\n\n",
+            v.len(),
+            t0.elapsed().as_secs_f64()
+        )),
+        Err(e) => md.push_str(&format!("NVRTC compile FAILED: {e}\n\n")),
+    }
+    let results = servelab_kernels::check::run_all(&gpu, seed);
+    md.push_str(&report::checks_markdown(&results));
+    let failed = results
+        .iter()
+        .filter(|r| !matches!(r, Ok(c) if c.passed))
+        .count();
+    md.push_str(&format!("\n{} checks, {failed} failed.\n", results.len()));
+    if let Some(dir) = out {
+        write(dir, "test-report.md", &md)?;
+        let json: Vec<serde_json::Value> = results
+            .iter()
+            .map(|r| match r {
+                Ok(c) => serde_json::to_value(c).unwrap_or_default(),
+                Err((n, e)) => {
+                    serde_json::json!({"name": n, "error": e.to_string(), "passed": false})
+                }
+            })
+            .collect();
+        write(
+            dir,
+            "test-report.json",
+            &serde_json::to_string_pretty(&json).unwrap_or_default(),
+        )?;
+    }
+    let mut b = bench_backend(gpu, quick, 256)?;
+    let prompts: &[(usize, usize)] = if quick {
+        &[(300, 256)]
+    } else {
+        &[(600, 384), (2000, 1280)]
+    };
+    let diffs = checks::replay_checks(&mut b, prompts, 140)?;
+    let mut bm = String::from(
+        "| comparison | max abs logit diff | mean abs | top-token agreement |\n|---|---|---|---|\n",
+    );
+    for d in &diffs {
+        bm.push_str(&format!(
+            "| {} | {:.4e} | {:.4e} | {:.0}% |\n",
+            d.what,
+            d.max_abs,
+            d.mean_abs,
+            100.0 * d.top_token_agreement
+        ));
+    }
+    if let Some(dir) = out {
+        write(dir, "backend-check.md", &bm)?;
+        write(
+            dir,
+            "backend-check.json",
+            &serde_json::to_string_pretty(&diffs).unwrap_or_default(),
+        )?;
+    }
+    md.push_str("\n## Backend checks\n\n");
+    md.push_str(&bm);
+    if failed > 0 {
+        return Err(CommandError::Failed(format!(
+            "{failed} of {} kernel checks failed\n{md}",
+            results.len()
+        )));
+    }
+    Ok(md)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a GPU the error says so; with one, a GPU opens.
+    #[test]
+    fn no_gpu_message_is_clear() {
+        match open_gpu() {
+            Ok(_) => {}
+            Err(CommandError::NoGpu) => {
+                let msg = CommandError::NoGpu.to_string();
+                assert!(msg.starts_with("no GPU"), "{msg}");
+            }
+            Err(e) => panic!("unexpected: {e}"),
+        }
+    }
+
+    /// The conformance command analyses a record without a GPU (a cost-model run stands in
+    /// for the GPU run), and reports a missing record by its path.
+    #[test]
+    fn conformance_analyses_a_record_without_a_gpu() {
+        let dir = std::env::temp_dir().join(format!("servelab-hw-conf-{}", std::process::id()));
+        let missing = conformance_opts(&dir, Some(dir.join("nope.json")));
+        let e = conformance(&missing, &mut |_| {}).unwrap_err().to_string();
+        assert!(e.contains("nope.json"), "{e}");
+        let config = include_str!("../../experiments/configs/conformance.toml").to_string();
+        let profile_text = servelab_sim::profile::SM100_PUBLISHED.to_string();
+        let file = ConformanceFile::parse(&config, "conformance.toml").unwrap();
+        let rec = Record {
+            run: conformance::dry_run(&file, &profile_text).unwrap(),
+            config,
+            policy_profile: profile_text,
+            gpu: "none".into(),
+            date: "d".into(),
+            commit: "c".into(),
+        };
+        let path = dir.join("rec.json");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&path, serde_json::to_string(&rec).unwrap()).unwrap();
+        let a = conformance(&conformance_opts(&dir, Some(path)), &mut |_| {}).unwrap();
+        assert_eq!(a.replay.mismatched_steps, 0);
+        assert!(dir.join("t-conformance.md").exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn conformance_opts(dir: &Path, record: Option<PathBuf>) -> ConformanceOptions {
+        ConformanceOptions {
+            config: dir.join("unused.toml"),
+            out: dir.to_path_buf(),
+            profile: None,
+            record,
+            date: "d".into(),
+            commit: "c".into(),
+            prefix: "t-".into(),
+        }
+    }
+}
