@@ -334,31 +334,69 @@ impl KvStore {
     }
 
     fn put_at_now(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> bool {
+        if self.cfg.capacity_bytes.is_none() {
+            return self.put_unbounded(key, bytes, class);
+        }
         if let Some(&idx) = self.map.get(&key) {
-            self.stats.touches += 1;
-            self.lru_unlink(idx);
-            self.lru_push_back(idx);
-            if self.cfg.ttl_from == TtlFrom::LastAccess {
-                self.exp_unlink(idx);
-                let expires = self.expiry_for(class);
-                let e = &mut self.slab[idx as usize];
-                e.class = class as u8;
-                e.expires = expires;
-                self.exp_push_back(idx);
-            }
+            self.touch_at_now(idx, class);
             return false;
         }
-        if let Some(cap) = self.cfg.capacity_bytes {
-            if bytes > cap {
-                // Cannot be stored at all: counted as written-and-dropped would lie, so skip.
-                return false;
-            }
-            while self.stats.used_bytes + bytes > cap {
-                if !self.evict_one() {
-                    break;
-                }
+        let cap = self.cfg.capacity_bytes.unwrap_or(u64::MAX);
+        if bytes > cap {
+            // Cannot be stored at all: counted as written-and-dropped would lie, so skip.
+            return false;
+        }
+        while self.stats.used_bytes + bytes > cap {
+            if !self.evict_one() {
+                break;
             }
         }
+        let idx = self.slot_for(key, bytes, class);
+        self.map.insert(key, idx);
+        self.link_new(idx, key, bytes);
+        true
+    }
+
+    /// [`Self::put_at_now`] without a capacity: nothing is evicted between the probe and the
+    /// insert, so one hash probe does both (the unbounded store is the simulator's hot path).
+    fn put_unbounded(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> bool {
+        use std::collections::hash_map::Entry as MapEntry;
+        let next = match self.free.last() {
+            Some(&i) => i,
+            None => self.slab.len() as u32,
+        };
+        match self.map.entry(key) {
+            MapEntry::Occupied(o) => {
+                let idx = *o.get();
+                self.touch_at_now(idx, class);
+                false
+            }
+            MapEntry::Vacant(v) => {
+                v.insert(next);
+                let idx = self.slot_for(key, bytes, class);
+                debug_assert_eq!(idx, next);
+                self.link_new(idx, key, bytes);
+                true
+            }
+        }
+    }
+
+    fn touch_at_now(&mut self, idx: u32, class: TrafficClass) {
+        self.stats.touches += 1;
+        self.lru_unlink(idx);
+        self.lru_push_back(idx);
+        if self.cfg.ttl_from == TtlFrom::LastAccess {
+            self.exp_unlink(idx);
+            let expires = self.expiry_for(class);
+            let e = &mut self.slab[idx as usize];
+            e.class = class as u8;
+            e.expires = expires;
+            self.exp_push_back(idx);
+        }
+    }
+
+    /// Stores a new entry in the slab (reusing a freed slot first) and returns its index.
+    fn slot_for(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> u32 {
         let entry = Entry {
             key,
             expires: self.expiry_for(class),
@@ -369,7 +407,7 @@ impl KvStore {
             exp_prev: NIL,
             exp_next: NIL,
         };
-        let idx = match self.free.pop() {
+        match self.free.pop() {
             Some(i) => {
                 self.slab[i as usize] = entry;
                 i
@@ -378,8 +416,12 @@ impl KvStore {
                 self.slab.push(entry);
                 (self.slab.len() - 1) as u32
             }
-        };
-        self.map.insert(key, idx);
+        }
+    }
+
+    /// Links a new entry into the LRU and expiry lists, charges it, and evicts past the high
+    /// watermark.
+    fn link_new(&mut self, idx: u32, key: BlockKey, bytes: u64) {
         self.lru_push_back(idx);
         self.exp_push_back(idx);
         self.charge_nodes(key, bytes, true);
@@ -395,7 +437,6 @@ impl KvStore {
                 }
             }
         }
-        true
     }
 
     /// The erasure-coded group that holds `key`: `data + parity` consecutive nodes starting at
@@ -410,12 +451,27 @@ impl KvStore {
         }
     }
 
+    /// The nodes of [`Self::placement`] in the same order, without allocating (fetch path).
+    pub fn placement_nodes(&self, key: BlockKey) -> impl Iterator<Item = StorageNodeId> + use<> {
+        let n = self.cfg.storage_nodes;
+        let first = (key.0 % u64::from(n)) as u32;
+        let group = self.cfg.ec_data_shards + self.cfg.ec_parity_shards;
+        (0..group).map(move |i| StorageNodeId((first + i) % n))
+    }
+
     fn charge_nodes(&mut self, key: BlockKey, bytes: u64, add: bool) {
         let n = self.cfg.storage_nodes;
         let first = (key.0 % u64::from(n)) as u32;
         let share = bytes.div_ceil(u64::from(self.cfg.ec_data_shards));
-        for i in 0..self.cfg.ec_data_shards + self.cfg.ec_parity_shards {
-            let node = &mut self.node_bytes[((first + i) % n) as usize];
+        // `first + i` wraps at most once (the group is no larger than the node count): a
+        // compare instead of a division per node keeps this off the insert path's profile.
+        let mut at = first;
+        for _ in 0..self.cfg.ec_data_shards + self.cfg.ec_parity_shards {
+            let node = &mut self.node_bytes[at as usize];
+            at += 1;
+            if at == n {
+                at = 0;
+            }
             if add {
                 *node += share;
             } else {
@@ -518,20 +574,25 @@ impl KvStore {
         }
     }
 
-    /// Checks the structure against its counters; used by tests and debug runs.
+    /// Checks the structure against its counters; used by tests and at the end of every
+    /// simulation (not per event: on a store of tens of millions of blocks one check costs
+    /// seconds).
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut count = 0u64;
         let mut bytes = 0u64;
         let mut i = self.lru.head;
         let mut prev = NIL;
+        // Slots on the LRU list; the map is then checked against them with one sequential pass
+        // over the map instead of a random hash probe per listed object.
+        let mut listed = vec![0u64; self.slab.len().div_ceil(64)];
         while i != NIL {
-            let e = &self.slab[i as usize];
+            let Some(e) = self.slab.get(i as usize) else {
+                return Err("LRU link past the slab".into());
+            };
             if e.lru_prev != prev {
                 return Err("broken LRU back link".into());
             }
-            if self.map.get(&e.key) != Some(&i) {
-                return Err("LRU entry missing from map".into());
-            }
+            listed[i as usize / 64] |= 1 << (i % 64);
             if e.expires <= self.now {
                 return Err(format!(
                     "object {:?} is past its TTL but still stored",
@@ -545,6 +606,17 @@ impl KvStore {
         }
         if count != self.map.len() as u64 || count != self.stats.objects {
             return Err(format!("{count} objects in LRU, {} in map", self.map.len()));
+        }
+        // Each map entry names a listed slot holding its key: distinct keys name distinct
+        // slots, and there are as many entries as listed slots, so every listed object is
+        // found in the map under its own key.
+        for (key, &idx) in &self.map {
+            let on_list = listed
+                .get(idx as usize / 64)
+                .is_some_and(|w| w & (1 << (idx % 64)) != 0);
+            if !on_list || self.slab[idx as usize].key != *key {
+                return Err("LRU entry missing from map".into());
+            }
         }
         if bytes != self.stats.used_bytes {
             return Err(format!(
@@ -666,6 +738,15 @@ mod tests {
         n.sort();
         n.dedup();
         assert_eq!(n.len(), 12);
+    }
+
+    #[test]
+    fn placement_nodes_match_placement() {
+        let s = KvStore::new(StoreConfig::default(), 10).unwrap();
+        for i in 0..200 {
+            let want = s.placement(k(i)).nodes;
+            assert_eq!(s.placement_nodes(k(i)).collect::<Vec<_>>(), want);
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::profile::HardwareProfile;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use servelab_core::content::hash2;
+use servelab_core::content::{KeyBuildHasher, hash2};
 use servelab_core::engine::prefill_lb::Submitted;
 use servelab_core::engine::{
     Backend, ChunkPolicy, DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy,
@@ -201,6 +201,10 @@ pub struct ServiceConfig {
     pub moe: MoeImbalance,
     /// Requests arriving before this are simulated but not measured.
     pub warmup: Nanos,
+    /// End of the measured window (default: the last arrival). Requests arriving after it, and
+    /// steps started after it, are simulated but not measured: with session traffic the last
+    /// few minutes of arrivals are a ramp-down (no new sessions) at a fraction of the load.
+    pub measure_until: Option<Nanos>,
     pub series_interval: Nanos,
     /// One request in this many (by arrival order) is written to the per-request table.
     pub sample_every: u32,
@@ -227,6 +231,7 @@ impl Default for ServiceConfig {
             acceptance: AcceptanceModel::default(),
             moe: MoeImbalance::Fixed,
             warmup: Nanos::from_secs(60),
+            measure_until: None,
             series_interval: Nanos::from_secs(10),
             sample_every: 100,
             touch_coalesce: Nanos::from_secs(60),
@@ -293,6 +298,14 @@ impl ServiceConfig {
             if !(v.is_finite() && v > 0.0) {
                 return Err(ConfigError::invalid(f, "must be positive"));
             }
+        }
+        if let Some(end) = self.measure_until
+            && end <= self.warmup
+        {
+            return Err(ConfigError::invalid(
+                "measure_until",
+                format!("{end} must be later than warmup ({})", self.warmup),
+            ));
         }
         if self.fetch.stripes == 0 {
             return Err(ConfigError::invalid("fetch.stripes", "must be positive"));
@@ -564,7 +577,8 @@ struct Sim<'a> {
     store: KvStore,
     swa: SwaCache,
     perfect: PerfectCache,
-    memo: HashMap<SessionId, Memo>,
+    /// Session ids and request indices are distinct integers: the one-multiply hasher does.
+    memo: HashMap<SessionId, Memo, KeyBuildHasher>,
     backend: CostModel,
     prefill: Vec<PrefillEngine>,
     prefill_plans: Vec<StepPlan>,
@@ -581,7 +595,7 @@ struct Sim<'a> {
     emissions: Vec<SeqEmission>,
     finished_jobs: Vec<PrefillJob>,
     /// Jobs built at arrival, waiting for an engine.
-    waiting_jobs: HashMap<u32, PrefillJob>,
+    waiting_jobs: HashMap<u64, PrefillJob, KeyBuildHasher>,
     loads: Vec<f64>,
     pending: u64,
     completed: u64,
@@ -742,7 +756,7 @@ impl<'a> Sim<'a> {
             store,
             swa,
             perfect: PerfectCache::new(),
-            memo: HashMap::new(),
+            memo: HashMap::default(),
             backend,
             prefill,
             prefill_plans: (0..cfg.prefill.gpus)
@@ -766,7 +780,7 @@ impl<'a> Sim<'a> {
             report: StepReport::default(),
             emissions: Vec::new(),
             finished_jobs: Vec::new(),
-            waiting_jobs: HashMap::new(),
+            waiting_jobs: HashMap::default(),
             loads: vec![0.0; cfg.prefill.gpus as usize],
             pending: 0,
             completed: 0,
@@ -790,7 +804,10 @@ impl<'a> Sim<'a> {
             full_lookups: 0,
             memo_lookups: 0,
             rows: Vec::new(),
-            steady_window: (cfg.warmup, reqs.last().map_or(Nanos::ZERO, |r| r.arrival)),
+            steady_window: {
+                let last = reqs.last().map_or(Nanos::ZERO, |r| r.arrival);
+                (cfg.warmup, cfg.measure_until.map_or(last, |m| m.min(last)))
+            },
             steady: SteadyCounters::default(),
             prefill_moe,
             prefill_moe_dp: match &cfg.moe {
@@ -811,7 +828,8 @@ impl<'a> Sim<'a> {
     }
 
     fn measured(&self, i: usize) -> bool {
-        self.reqs[i].arrival >= self.cfg.warmup
+        let a = self.reqs[i].arrival;
+        a >= self.cfg.warmup && self.cfg.measure_until.is_none_or(|m| a < m)
     }
 
     fn run(&mut self) -> Result<(), ConfigError> {
@@ -1025,7 +1043,7 @@ impl<'a> Sim<'a> {
             compute_ns,
             queued_at: now,
         };
-        self.waiting_jobs.insert(i as u32, job);
+        self.waiting_jobs.insert(i as u64, job);
         if matches!(self.cfg.prefill.lb, PrefillLbPolicy::LeastLoaded) {
             for (l, e) in self.loads.iter_mut().zip(&self.prefill) {
                 *l = e.remaining_ns();
@@ -1035,7 +1053,7 @@ impl<'a> Sim<'a> {
             Submitted::Routed(e, _) => self.assign(now, i, e.0 as usize),
             Submitted::Queued => self.pull_all(now),
             Submitted::Rejected(_) => {
-                self.waiting_jobs.remove(&(i as u32));
+                self.waiting_jobs.remove(&(i as u64));
                 self.reject(i, Rejection::PrefillQueueFull)
             }
         }
@@ -1066,7 +1084,7 @@ impl<'a> Sim<'a> {
         let st = self.state[i];
         let job = self
             .waiting_jobs
-            .remove(&(i as u32))
+            .remove(&(i as u64))
             .expect("a submitted request has its job");
         // The hit and the encoder-replayed blocks are both read from the store.
         let reused = (job.swap_in_bytes / u64::from(c.kv_bytes_per_token)) as u32;
@@ -1117,8 +1135,7 @@ impl<'a> Sim<'a> {
                 .get(s * keys.len() / stripes)
                 .copied()
                 .unwrap_or(BlockKey(r.id.0));
-            let group = self.store.placement(key);
-            for (a, node) in group.nodes.iter().take(ask).enumerate() {
+            for (a, node) in self.store.placement_nodes(key).take(ask).enumerate() {
                 let busy = &mut self.node_busy[node.0 as usize];
                 let start = (*busy).max(now);
                 *busy = start + transfer;
@@ -1127,8 +1144,8 @@ impl<'a> Sim<'a> {
                 answers[a.min(63)] = *busy + f.latency + tail;
             }
             let got = &mut answers[..ask.min(64)];
-            got.sort_unstable();
-            done = done.max(got[data.min(got.len()) - 1]);
+            let (_, at, _) = got.select_nth_unstable(data.min(got.len()) - 1);
+            done = done.max(*at);
         }
         done
     }
@@ -1381,7 +1398,7 @@ impl<'a> Sim<'a> {
             self.decode_stats[g].tokens += u64::from(e.tokens);
             self.cur_decode_tokens += u64::from(e.tokens);
             self.seq_steps += 1;
-            if self.reqs[i].arrival >= self.cfg.warmup {
+            if self.measured(i) {
                 self.lat.gap_ns.record(gap.0);
                 self.tokens[3] += u64::from(e.tokens);
             }

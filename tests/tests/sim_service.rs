@@ -153,6 +153,37 @@ fn bad_configs_name_the_field() {
     assert!(e.contains("gpu"), "{e}");
 }
 
+/// The measured window: only arrivals in [warmup, measure_until) count, the rest still run
+/// to completion, and an empty window is a config error naming the field.
+#[test]
+fn measure_until_bounds_the_measured_window() {
+    let trace = generate(&workload(), 11, 128).unwrap();
+    let mut c = small_unit();
+    c.warmup = Nanos::from_secs(2);
+    c.measure_until = Some(Nanos::from_secs(6));
+    let rep = run(&c, &trace.requests, 11).unwrap();
+    let in_window = trace
+        .requests
+        .iter()
+        .filter(|r| r.arrival >= c.warmup && r.arrival < Nanos::from_secs(6))
+        .count() as u64;
+    assert!(in_window > 0 && in_window < rep.arrivals);
+    assert_eq!(rep.measured_requests, in_window);
+    assert_eq!(rep.all.ttft_ns.count(), in_window);
+    assert_eq!(rep.completed, rep.arrivals, "everything still completes");
+    assert_eq!((rep.steady.start_s, rep.steady.end_s), (2.0, 6.0));
+    c.measure_until = Some(Nanos::from_secs(2));
+    assert!(
+        run(&c, &trace.requests, 11)
+            .unwrap_err()
+            .to_string()
+            .contains("measure_until")
+    );
+    let parsed: ServiceConfig =
+        toml::from_str("warmup = \"10s\"\nmeasure_until = \"1min\"\n").unwrap();
+    assert_eq!(parsed.measure_until, Some(Nanos::from_secs(60)));
+}
+
 /// Two turns of one session, hand-built: the second hits on the first's prompt and output.
 #[test]
 fn golden_second_turn_hits() {

@@ -97,6 +97,9 @@ struct Rank {
     waiting: VecDeque<Waiting>,
     waiting_kv: u64,
     seen: ConfidenceHistogram,
+    /// Slots holding a finished sequence, freed by the next `plan_step` (which skips the
+    /// slot scan when there are none: most steps finish no sequence on a rank).
+    finished: u32,
 }
 
 /// What one sequence emitted in a step.
@@ -233,7 +236,12 @@ impl DecodeGroup {
         let cap = self.cfg.kv_capacity_tokens_per_rank;
         let mut yes = 0;
         for rank in &mut self.ranks {
-            for i in 0..rank.slots.len() {
+            let scan = if rank.finished > 0 {
+                rank.slots.len()
+            } else {
+                0
+            };
+            for i in 0..scan {
                 if let Some(s) = rank.slots[i]
                     && s.done
                 {
@@ -244,6 +252,7 @@ impl DecodeGroup {
                     rank.kv_tokens -= u64::from(s.kv_tokens);
                 }
             }
+            rank.finished = 0;
             while rank.active < max {
                 let Some(w) = rank.waiting.front().copied() else {
                     break;
@@ -402,6 +411,7 @@ impl DecodeGroup {
                 s.kv_tokens += tokens;
                 rank.kv_tokens += u64::from(tokens);
                 s.done = s.remaining == 0;
+                rank.finished += u32::from(s.done);
                 out.push(SeqEmission {
                     request: e.request,
                     tokens,

@@ -10,6 +10,7 @@ use crate::error::ConfigError;
 use crate::ids::{EngineId, RequestId};
 use crate::time::Nanos;
 use serde::{Deserialize, Serialize};
+use std::cell::Cell;
 use std::collections::VecDeque;
 
 /// Predicted prefill step time: `base + Σ layers × (a·n + b·n·(p + n/2))` over the chunks, the
@@ -192,6 +193,9 @@ pub struct PrefillEngine {
     max_jobs: usize,
     queue: VecDeque<PrefillJob>,
     busy: bool,
+    /// [`Self::remaining_ns`] as last computed; cleared by every change to the queue. A pull
+    /// balancer asks every engine for it on every pull, far more often than queues change.
+    remaining_cache: Cell<Option<f64>>,
 }
 
 impl PrefillEngine {
@@ -210,6 +214,7 @@ impl PrefillEngine {
             max_jobs,
             queue: VecDeque::new(),
             busy: false,
+            remaining_cache: Cell::new(None),
         }
     }
     pub fn id(&self) -> EngineId {
@@ -228,10 +233,16 @@ impl PrefillEngine {
     /// Predicted compute still queued here (each job as one chunk, without step bases): what a
     /// pull balancer compares with the engine's quota.
     pub fn remaining_ns(&self) -> f64 {
-        self.queue
+        if let Some(ns) = self.remaining_cache.get() {
+            return ns;
+        }
+        let ns = self
+            .queue
             .iter()
             .map(|j| self.model.chunk_ns(&j.chunk(j.remaining()), self.imbalance))
-            .sum()
+            .sum();
+        self.remaining_cache.set(Some(ns));
+        ns
     }
 
     /// Predicted compute of a whole job on an idle engine.
@@ -245,11 +256,13 @@ impl PrefillEngine {
             return Err(job);
         }
         self.queue.push_back(job);
+        self.remaining_cache.set(None);
         Ok(())
     }
 
     /// Marks a job's KV as fetched. Returns false if the engine does not hold it.
     pub fn set_ready(&mut self, request: RequestId) -> bool {
+        self.remaining_cache.set(None);
         match self.queue.iter_mut().find(|j| j.request == request) {
             Some(j) => {
                 j.ready = true;
@@ -265,6 +278,7 @@ impl PrefillEngine {
         plan.engine = self.id;
         plan.chunks.clear();
         plan.expert_imbalance = self.imbalance;
+        self.remaining_cache.set(None);
         if self.busy {
             return false;
         }
@@ -340,6 +354,7 @@ impl PrefillEngine {
     /// Applies a finished step: advances each chunk's job and moves completed jobs to `done`.
     pub fn complete_step(&mut self, plan: &PrefillPlan, done: &mut Vec<PrefillJob>) {
         self.busy = false;
+        self.remaining_cache.set(None);
         for c in &plan.chunks {
             if let Some(j) = self.queue.iter_mut().find(|j| j.request == c.request) {
                 j.done_tokens += c.new_tokens;
