@@ -232,24 +232,33 @@ pub fn measure_decode(
     let tile_options: Vec<Option<MmaConfig>> = match (kernel, att.mma_tiles()) {
         (AttentionKernel::Mma, Some(default)) => {
             let mut v = vec![Some(default)];
-            for (keys_per_tile, stages, warps, min_blocks, swizzle, l2_prefetch) in [
-                (16, 2, 16, 1, false, false),
-                (16, 3, 16, 1, true, false),
-                (16, 3, 16, 1, true, true),
-                (16, 2, 16, 1, true, true),
-                (16, 4, 12, 1, true, false),
-                (16, 3, 8, 2, true, false),
-                (16, 3, 8, 1, true, false),
-                (16, 4, 8, 1, true, false),
-                (32, 2, 8, 1, true, false),
-                (16, 2, 8, 2, false, false),
-                (16, 2, 4, 2, true, false),
+            for (keys_per_tile, stages, warps, min_blocks, swizzle, l2_prefetch, lazy_rescale) in [
+                (16, 2, 16, 1, false, false, false),
+                (16, 3, 16, 1, true, false, false),
+                (16, 3, 16, 1, true, true, false),
+                (16, 2, 16, 1, true, true, false),
+                (16, 4, 12, 1, true, false, false),
+                (16, 3, 8, 2, true, false, false),
+                (16, 3, 8, 1, true, false, false),
+                (16, 4, 8, 1, true, false, false),
+                (32, 2, 8, 1, true, false, false),
+                (16, 2, 8, 2, false, false, false),
+                (16, 2, 4, 2, true, false, false),
                 // run4: fewer warps with headroom under the register cap (the 16-warp
                 // default spills 72 B), and 32-key tiles on padded rows
-                (16, 2, 12, 1, false, false),
-                (16, 2, 16, 1, false, true),
-                (32, 2, 8, 1, false, false),
-                (32, 2, 6, 1, false, false),
+                (16, 2, 12, 1, false, false, false),
+                (16, 2, 16, 1, false, true, false),
+                (32, 2, 8, 1, false, false, false),
+                (32, 2, 6, 1, false, false, false),
+                // run6: the lazy rescale on the best run3/run4 shapes
+                (16, 2, 16, 1, false, false, true),
+                (16, 2, 16, 1, false, true, true),
+                (16, 2, 16, 1, true, true, true),
+                (16, 3, 16, 1, true, false, true),
+                (16, 2, 12, 1, false, false, true),
+                (16, 2, 8, 2, false, false, true),
+                (32, 2, 8, 1, false, false, true),
+                (16, 2, 4, 2, true, false, true),
             ] {
                 let c = MmaConfig {
                     keys_per_tile,
@@ -258,6 +267,7 @@ pub fn measure_decode(
                     min_blocks,
                     swizzle,
                     l2_prefetch,
+                    lazy_rescale,
                 };
                 // every block the launch bounds ask for must fit in the SM's shared memory
                 if c != default
@@ -291,12 +301,15 @@ pub fn measure_decode(
     type Best = (usize, Option<MmaConfig>, Timing, (i32, i32));
     let mut best: Option<Best> = None;
     let mut tried = Vec::new();
-    for tiles in &tile_options {
+    // the backend's choice: default tiles with the split rule (recomputed per tile shape)
+    let mut default_timing: Option<(usize, Timing)> = None;
+    for (ti, tiles) in tile_options.iter().enumerate() {
         if let Some(c) = tiles {
             att.set_mma_tiles(gpu, *c)?;
         }
+        let rule_tps = att.default_tokens_per_split(&d_rows);
         let resources = att.split_resources();
-        for tps in [default_tps, 256, 512, 768, 1024, 1536, 2048] {
+        for tps in [rule_tps, default_tps, 256, 512, 768, 1024, 1536, 2048, 4096] {
             if tried.contains(&(tps, *tiles)) {
                 continue;
             }
@@ -308,6 +321,9 @@ pub fn measure_decode(
                 )
             })?;
             tried.push((tps, *tiles));
+            if ti == 0 && tps == rule_tps {
+                default_timing = Some((tps, t));
+            }
             if best
                 .as_ref()
                 .is_none_or(|(_, _, b, _)| t.median_ms < b.median_ms)
@@ -325,18 +341,29 @@ pub fn measure_decode(
     };
     let tiles_note = match tiles {
         Some(c) => format!(
-            "; best tiles {} keys x {} stages x {} warps, {} blocks/SM bound, swizzle {}, L2 prefetch {}, of {} tried",
+            "; best tiles {} keys x {} stages x {} warps, {} blocks/SM bound, swizzle {}, L2 prefetch {}, lazy rescale {}, of {} tried",
             c.keys_per_tile,
             c.stages,
             c.warps,
             c.min_blocks,
             c.swizzle,
             c.l2_prefetch,
+            c.lazy_rescale,
             tile_options.len()
         ),
         None => String::new(),
     };
     let rate = gbps(kv_bytes, &t);
+    let default_note = match &default_timing {
+        Some((dt, dtm)) => {
+            let r = gbps(kv_bytes, dtm);
+            format!(
+                "; backend default (rule {dt} tokens/split, default tiles) {r:.1} GB/s = {:.1}%",
+                100.0 * r / copy_gbps
+            )
+        }
+        None => String::new(),
+    };
     Ok(Rate {
         what: format!(
             "decode attention ({kernel:?}) kvh={} group={} d_qk={} d_v={}, {seqs} seqs x {context} tokens",
@@ -348,7 +375,7 @@ pub fn measure_decode(
         unit: "GB/s",
         ratio: Some(rate / copy_gbps),
         note: format!(
-            "KV bytes read; best tokens/split {tps} of {tried_tps:?} (default {default_tps}){tiles_note}; split kernel {regs} regs, {local} B local"
+            "KV bytes read; best tokens/split {tps} of {tried_tps:?} (default {default_tps}){tiles_note}; split kernel {regs} regs, {local} B local{default_note}"
         ),
     })
 }

@@ -374,8 +374,6 @@ struct DeviceGroups {
     q0: CudaSlice<i32>,
     qn: CudaSlice<i32>,
     count: usize,
-    /// Sum over groups of the keys the group reads.
-    total_len: usize,
 }
 
 /// Split partials: (max, sum, weighted values) per (row, head, split).
@@ -431,6 +429,9 @@ pub struct MmaConfig {
     pub swizzle: bool,
     /// `cp.async` with the L2 256-byte prefetch hint.
     pub l2_prefetch: bool,
+    /// Skip the output rescale when no row's running max moved in a tile (exact).
+    #[serde(default)]
+    pub lazy_rescale: bool,
 }
 
 impl MmaConfig {
@@ -509,6 +510,7 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
             min_blocks: 1,
             swizzle: false,
             l2_prefetch: false,
+            lazy_rescale: true,
         }
     } else {
         MmaConfig {
@@ -518,6 +520,7 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
             min_blocks: 2,
             swizzle: shape.d_qk.is_multiple_of(64),
             l2_prefetch: false,
+            lazy_rescale: true,
         }
     };
     let cfg = if cfg.validate(shape).is_ok() {
@@ -530,6 +533,7 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
             min_blocks: 1,
             swizzle: false,
             l2_prefetch: false,
+            lazy_rescale: true,
         }
     };
     cfg.validate(shape).ok().map(|_| cfg)
@@ -550,6 +554,7 @@ pub(crate) fn mma_defines(
         ("MINB", cfg.min_blocks),
         ("SWZ", cfg.swizzle as usize),
         ("PF", cfg.l2_prefetch as usize),
+        ("LAZY", cfg.lazy_rescale as usize),
         ("ROWP", cfg.row(shape.d_qk)),
     ]
 }
@@ -587,6 +592,62 @@ pub struct PagedAttention {
     reduce: CudaFunction,
     write: CudaFunction,
     sm_count: usize,
+    /// Resident blocks per SM of each split kernel (occupancy API), for the split-size rule.
+    blocks_per_sm: BlocksPerSm,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct BlocksPerSm {
+    warp: usize,
+    tiled: usize,
+    mma: usize,
+}
+
+fn occupancy(f: &CudaFunction, threads: usize, smem: usize) -> usize {
+    f.occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem, None)
+        .map(|b| b.max(1) as usize)
+        .unwrap_or(1)
+}
+
+/// Split-size cost model, in key-equivalents per warp: the fixed cost of one split (Q load,
+/// cp.async pipeline fill, the partial write and its share of the reduce). Measured on the
+/// H200 (run4 sweep, 64 x 16K decode): 1,024-token splits beat 512 and 2,048.
+pub const SPLIT_OVERHEAD_KEYS: usize = 256;
+
+/// Tokens per split (a multiple of `granule`) for `units` independent key ranges (query row or
+/// group x KV head) of at most `max_len` keys, when a block runs `warps_per_block` consecutive
+/// splits of one unit and `concurrent_blocks` blocks fit on the device at once. Minimises
+/// `waves x (tokens per split + SPLIT_OVERHEAD_KEYS)`: whole waves, because a block's warps
+/// finish together and a partial last wave costs a full one on the SMs it occupies; blocks
+/// whose warps have no split are counted, so a split count that leaves warps idle loses. Ties
+/// go to the larger split (fewer partials).
+pub fn pick_tokens_per_split(
+    max_len: usize,
+    units: usize,
+    warps_per_block: usize,
+    concurrent_blocks: usize,
+    granule: usize,
+) -> usize {
+    let granule = granule.max(1);
+    let max_len = max_len.max(1);
+    let (units, warps, conc) = (
+        units.max(1),
+        warps_per_block.max(1),
+        concurrent_blocks.max(1),
+    );
+    let most_splits = max_len.div_ceil(granule).clamp(1, 4096);
+    let mut best: Option<(usize, usize)> = None; // (cost, tokens per split)
+    for splits in 1..=most_splits {
+        let tps = max_len.div_ceil(splits).div_ceil(granule) * granule;
+        let real_splits = max_len.div_ceil(tps);
+        let blocks = real_splits.div_ceil(warps) * units;
+        let waves = blocks.div_ceil(conc);
+        let cost = waves * (tps.min(max_len) + SPLIT_OVERHEAD_KEYS);
+        if best.is_none_or(|(c, _)| cost < c) {
+            best = Some((cost, tps));
+        }
+    }
+    best.map_or(granule, |(_, t)| t)
 }
 
 impl PagedAttention {
@@ -630,6 +691,13 @@ impl PagedAttention {
             )
             .map(|v| v.max(1) as usize)
             .unwrap_or(132);
+        let blocks_per_sm = BlocksPerSm {
+            warp: occupancy(&split, WARPS * 32, 0),
+            tiled: tiled.as_ref().map_or(1, |f| occupancy(f, WARPS * 32, 0)),
+            mma: mma
+                .as_ref()
+                .map_or(1, |(f, c)| occupancy(f, c.warps * 32, c.smem_bytes(&shape))),
+        };
         Ok(Self {
             shape,
             split,
@@ -639,6 +707,7 @@ impl PagedAttention {
             reduce,
             write,
             sm_count,
+            blocks_per_sm,
         })
     }
 
@@ -695,7 +764,9 @@ impl PagedAttention {
             format!("the Mma kernel does not take {:?}", self.shape)
         })?;
         cfg.validate(&self.shape)?;
-        self.mma = Some((load_mma(gpu, &self.shape, &cfg)?, cfg));
+        let f = load_mma(gpu, &self.shape, &cfg)?;
+        self.blocks_per_sm.mma = occupancy(&f, cfg.warps * 32, cfg.smem_bytes(&self.shape));
+        self.mma = Some((f, cfg));
         self.kernel = AttentionKernel::Mma;
         Ok(())
     }
@@ -729,10 +800,6 @@ impl PagedAttention {
                 q0: s.clone_htod(&col(|g| g.first_row))?,
                 qn: s.clone_htod(&col(|g| g.len))?,
                 count: g.len(),
-                total_len: g
-                    .iter()
-                    .map(|g| (g.kv_end - g.kv_start).max(0) as usize)
-                    .sum(),
             })
         } else {
             None
@@ -755,17 +822,21 @@ impl PagedAttention {
         })
     }
 
-    /// Keys per warp: enough splits to give every SM ~16 warps, but at least 128 keys so the
-    /// partials stay small next to the keys read. The tensor-core kernel reads each query
-    /// group's keys once, so its work is counted per group, not per row.
+    /// Keys per warp, by [`pick_tokens_per_split`] over the kernel in use: its warps per block
+    /// and resident blocks per SM, in multiples of 128 keys. The tensor-core kernel reads each
+    /// query group's keys once, so its units are groups, not rows. (The old rule, total keys /
+    /// (16 warps x SMs), picked 4,096 for 64 x 16K decode, where only 4 of a block's 16 warps
+    /// had a split; 1,024 measured 2.0x faster.)
     pub fn default_tokens_per_split(&self, rows: &DeviceRows) -> usize {
-        let keys = match (&self.kernel, &rows.groups) {
-            (AttentionKernel::Mma, Some(g)) => g.total_len,
-            _ => rows.total_len,
+        let kvh = self.shape.num_kv_heads;
+        let (units, warps, per_sm) = match (&self.kernel, &rows.groups, &self.mma) {
+            (AttentionKernel::Mma, Some(g), Some((_, c))) => {
+                (g.count * kvh, c.warps, self.blocks_per_sm.mma)
+            }
+            (AttentionKernel::Tiled, _, _) => (rows.num_q * kvh, WARPS, self.blocks_per_sm.tiled),
+            _ => (rows.num_q * kvh, WARPS, self.blocks_per_sm.warp),
         };
-        let work = keys * self.shape.num_kv_heads;
-        let target_warps = self.sm_count * 16;
-        work.div_ceil(target_warps.max(1)).div_ceil(128).max(1) * 128
+        pick_tokens_per_split(rows.max_len, units, warps, self.sm_count * per_sm, 128)
     }
 
     pub fn workspace(
@@ -1366,6 +1437,26 @@ mod tests {
             let row = MmaConfig::padded_row(d);
             assert!(row >= d && (row / 2) % 32 == 16, "d={d} row={row}");
         }
+    }
+
+    #[test]
+    fn split_rule_fills_whole_blocks_and_waves() {
+        // 64 seqs x 16K decode, 8 KV heads, 16-warp blocks, one block on each of 132 SMs:
+        // 16 splits of 1,024 fill every warp in 4 waves (4 x 1,280); 4,096 leaves 12 warps
+        // idle (4 x 4,352), 512 needs 8 waves (8 x 768).
+        assert_eq!(pick_tokens_per_split(16_384, 512, 16, 132, 128), 1024);
+        // one short sequence: as many splits as keep it in one wave, down to one granule
+        assert_eq!(pick_tokens_per_split(2_000, 4, 16, 132, 128), 128);
+        // a single split when splitting cannot shorten the critical path: one unit whose
+        // splits all fit in one block anyway picks the smallest granule...
+        assert_eq!(pick_tokens_per_split(1_024, 1, 8, 132, 128), 128);
+        // ...and many units still fill each block's warps (a block holds one unit's splits)
+        assert_eq!(pick_tokens_per_split(512, 100_000, 4, 132, 128), 128);
+        // 8-warp blocks, two per SM: 8 splits of 2,048 = 512 blocks in 2 waves (2 x 2,304)
+        // beat 16 of 1,024 (1,024 blocks, 4 waves: 4 x 1,280)
+        assert_eq!(pick_tokens_per_split(16_384, 512, 8, 264, 128), 2048);
+        // degenerate inputs never divide by zero
+        assert_eq!(pick_tokens_per_split(0, 0, 0, 0, 0), 1);
     }
 
     #[test]

@@ -1,6 +1,12 @@
-//! Where each sequence's state lives: global KV blocks in an HBM pool or a pinned host pool,
-//! and SWA rings in HBM or in host slots. Pure bookkeeping (no GPU calls), so the placement
-//! rules are unit-tested without a device; the backend turns the moves into copies.
+//! Where each sequence's state lives: global KV blocks in an HBM pool, a pinned host pool or
+//! an SSD file below it, and SWA rings in HBM or in host slots. Pure bookkeeping (no GPU
+//! calls), so the placement rules are unit-tested without a device; the backend turns the
+//! moves into copies and file I/O.
+//!
+//! Tier order: HBM → host → disk. A sequence evicted from HBM goes to host; when the host pool
+//! is full, the least recently used sequences' host blocks go to disk first (the victim is
+//! dropped only when disk is full too). A disk block needed on the device is read into a host
+//! block (staging, freed at the next step) and swapped in from there.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -9,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 pub enum BlockLoc {
     Hbm(u32),
     Host(u32),
+    Disk(u32),
 }
 
 /// One sequence's placement.
@@ -36,6 +43,11 @@ pub struct Moves {
     pub ring_out: Vec<(u32, u32)>,
     /// (host SWA slot, ring slot): restore a ring.
     pub ring_in: Vec<(u32, u32)>,
+    /// (host block, disk block): spill to disk. Runs first: the host block may be reused by
+    /// this step's swap-outs and disk reads.
+    pub host_to_disk: Vec<(u32, u32)>,
+    /// (disk block, host block): read back into a host block, before the swap-in that reads it.
+    pub disk_to_host: Vec<(u32, u32)>,
 }
 
 impl Moves {
@@ -44,6 +56,8 @@ impl Moves {
             && self.swap_out.is_empty()
             && self.ring_out.is_empty()
             && self.ring_in.is_empty()
+            && self.host_to_disk.is_empty()
+            && self.disk_to_host.is_empty()
     }
 }
 
@@ -55,6 +69,10 @@ pub enum TierError {
     HbmFull { needed: usize, capacity: usize },
     #[error("a step touches more sequences than the {0} SWA ring slots (raise backend.ring_slots)")]
     RingsFull(usize),
+    #[error(
+        "a step reads {needed} blocks from disk but only {free} host blocks can stage them (raise backend.host_blocks)"
+    )]
+    HostFull { needed: usize, free: usize },
 }
 
 /// The block and ring allocator of both tiers.
@@ -64,6 +82,13 @@ pub struct Tiers {
     host_free: BTreeSet<u32>,
     /// Host blocks read by this step's swap-ins, free from the next step on.
     host_pending: Vec<u32>,
+    /// Host blocks written by this step's swap-outs: their data is not there yet, so they
+    /// cannot be spilled to disk before the next step.
+    host_fresh: BTreeSet<u32>,
+    disk_free: BTreeSet<u32>,
+    /// Disk blocks read by this step, free from the next step on (a later write in the same
+    /// step must not overtake the read).
+    disk_pending: Vec<u32>,
     ring_free: BTreeSet<u32>,
     swa_host_free: BTreeSet<u32>,
     hbm_blocks: usize,
@@ -76,6 +101,7 @@ impl Tiers {
     pub fn new(
         hbm_blocks: usize,
         host_blocks: usize,
+        disk_blocks: usize,
         ring_slots: usize,
         swa_host_slots: usize,
     ) -> Self {
@@ -84,6 +110,9 @@ impl Tiers {
             hbm_free: set(hbm_blocks),
             host_free: set(host_blocks),
             host_pending: Vec::new(),
+            host_fresh: BTreeSet::new(),
+            disk_free: set(disk_blocks),
+            disk_pending: Vec::new(),
             ring_free: set(ring_slots),
             swa_host_free: set(swa_host_slots),
             hbm_blocks,
@@ -103,6 +132,16 @@ impl Tiers {
     pub fn begin_step(&mut self) {
         self.clock += 1;
         self.host_free.extend(self.host_pending.drain(..));
+        self.disk_free.extend(self.disk_pending.drain(..));
+        self.host_fresh.clear();
+    }
+
+    pub fn host_free(&self) -> usize {
+        self.host_free.len()
+    }
+
+    pub fn disk_free(&self) -> usize {
+        self.disk_free.len()
     }
 
     /// Makes `seq`'s blocks `[0, blocks)` resident in HBM and gives it a ring, evicting
@@ -141,10 +180,38 @@ impl Tiers {
                 });
             }
         }
+        let need_stage = st
+            .blocks
+            .iter()
+            .take(blocks)
+            .filter(|b| matches!(b, BlockLoc::Disk(_)))
+            .count();
+        if need_stage > 0 {
+            let mut keep = protected.clone();
+            keep.insert(seq);
+            if !self.make_host_room(need_stage, &keep, moves) {
+                let free = self.host_free.len();
+                self.seqs.insert(seq, st);
+                return Err(TierError::HostFull {
+                    needed: need_stage,
+                    free,
+                });
+            }
+        }
         let mut ids = Vec::with_capacity(blocks);
         for i in 0..blocks {
             let id = match st.blocks.get(i).copied() {
                 Some(BlockLoc::Hbm(id)) => id,
+                Some(BlockLoc::Disk(d)) => {
+                    let id = self.hbm_free.pop_first().expect("reserved above");
+                    let h = self.host_free.pop_first().expect("made room above");
+                    moves.disk_to_host.push((d, h));
+                    moves.swap_in.push((h, id));
+                    self.host_pending.push(h);
+                    self.disk_pending.push(d);
+                    st.blocks[i] = BlockLoc::Hbm(id);
+                    id
+                }
                 Some(BlockLoc::Host(h)) => {
                     let id = self.hbm_free.pop_first().expect("reserved above");
                     moves.swap_in.push((h, id));
@@ -219,25 +286,86 @@ impl Tiers {
             .iter()
             .filter(|b| matches!(b, BlockLoc::Hbm(_)))
             .count();
+        if on_hbm > self.host_free.len() {
+            let mut keep = protected.clone();
+            keep.insert(victim);
+            self.make_host_room(on_hbm, &keep, moves);
+        }
+        let st = self.seqs.get_mut(&victim).expect("victim exists");
         if on_hbm <= self.host_free.len() {
             for b in st.blocks.iter_mut() {
                 if let BlockLoc::Hbm(id) = *b {
                     let h = self.host_free.pop_first().expect("counted above");
                     moves.swap_out.push((id, h));
+                    self.host_fresh.insert(h);
                     *b = BlockLoc::Host(h);
                     self.hbm_free.insert(id);
                 }
             }
         } else {
-            for b in st.blocks.drain(..) {
+            let blocks: Vec<BlockLoc> = st.blocks.drain(..).collect();
+            st.ring_valid_to = 0;
+            for b in blocks {
                 match b {
                     BlockLoc::Hbm(id) => {
                         self.hbm_free.insert(id);
                     }
                     BlockLoc::Host(h) => self.host_pending.push(h),
+                    BlockLoc::Disk(d) => self.disk_pending.push(d),
                 }
             }
-            st.ring_valid_to = 0;
+        }
+        true
+    }
+
+    /// Frees host blocks until `needed` are free by spilling the least recently used
+    /// sequences' host blocks (not of `keep`, none written this step) to disk, or dropping such
+    /// a sequence's KV when the disk cannot take its host blocks. False when it cannot.
+    fn make_host_room(&mut self, needed: usize, keep: &BTreeSet<u64>, moves: &mut Moves) -> bool {
+        while self.host_free.len() < needed {
+            let fresh = &self.host_fresh;
+            let Some(victim) = self.lru_victim(keep, |st| {
+                st.blocks.iter().any(|b| matches!(b, BlockLoc::Host(_)))
+                    && !st
+                        .blocks
+                        .iter()
+                        .any(|b| matches!(b, BlockLoc::Host(h) if fresh.contains(h)))
+            }) else {
+                return false;
+            };
+            let st = self.seqs.get_mut(&victim).expect("victim exists");
+            let on_host = st
+                .blocks
+                .iter()
+                .filter(|b| matches!(b, BlockLoc::Host(_)))
+                .count();
+            if on_host <= self.disk_free.len() {
+                for b in st.blocks.iter_mut() {
+                    if let BlockLoc::Host(h) = *b {
+                        let d = self.disk_free.pop_first().expect("counted above");
+                        moves.host_to_disk.push((h, d));
+                        *b = BlockLoc::Disk(d);
+                        // reusable at once: the spill reads the block before anything else runs
+                        self.host_free.insert(h);
+                    }
+                }
+            } else {
+                let blocks: Vec<BlockLoc> = st.blocks.drain(..).collect();
+                st.ring_valid_to = 0;
+                for b in blocks {
+                    match b {
+                        BlockLoc::Hbm(id) => {
+                            self.hbm_free.insert(id);
+                        }
+                        // not read this step (the victim is not protected) nor written
+                        // (no fresh block): free at once
+                        BlockLoc::Host(h) => {
+                            self.host_free.insert(h);
+                        }
+                        BlockLoc::Disk(d) => self.disk_pending.push(d),
+                    }
+                }
+            }
         }
         true
     }
@@ -266,7 +394,7 @@ mod tests {
 
     #[test]
     fn new_blocks_are_lowest_free_ids_and_reuse_is_stable() {
-        let mut t = Tiers::new(8, 8, 2, 2);
+        let mut t = Tiers::new(8, 8, 0, 2, 2);
         let mut m = Moves::default();
         t.begin_step();
         let p = BTreeSet::from([1u64]);
@@ -278,7 +406,7 @@ mod tests {
 
     #[test]
     fn pressure_swaps_the_lru_sequence_out_and_back_in() {
-        let mut t = Tiers::new(4, 8, 2, 2);
+        let mut t = Tiers::new(4, 8, 0, 2, 2);
         let mut m = Moves::default();
         t.begin_step();
         t.make_resident(1, 3, &BTreeSet::from([1]), &mut m).unwrap();
@@ -306,7 +434,7 @@ mod tests {
 
     #[test]
     fn a_full_host_pool_drops_the_victim_instead() {
-        let mut t = Tiers::new(2, 1, 2, 2);
+        let mut t = Tiers::new(2, 1, 0, 2, 2);
         let mut m = Moves::default();
         t.begin_step();
         t.make_resident(1, 2, &BTreeSet::from([1]), &mut m).unwrap();
@@ -318,7 +446,7 @@ mod tests {
 
     #[test]
     fn a_step_larger_than_the_pool_is_an_error() {
-        let mut t = Tiers::new(2, 2, 1, 1);
+        let mut t = Tiers::new(2, 2, 0, 1, 1);
         let e = t
             .make_resident(1, 3, &BTreeSet::from([1]), &mut Moves::default())
             .unwrap_err();
@@ -332,8 +460,100 @@ mod tests {
     }
 
     #[test]
+    fn a_full_host_pool_spills_the_lru_host_blocks_to_disk_and_reads_them_back() {
+        // 4 HBM, 2 host, 4 disk blocks
+        let mut t = Tiers::new(4, 2, 4, 4, 4);
+        let one = |s: u64| BTreeSet::from([s]);
+        let mut m = Moves::default();
+        t.begin_step();
+        assert_eq!(t.make_resident(1, 2, &one(1), &mut m).unwrap(), vec![0, 1]);
+        let mut m = Moves::default();
+        t.begin_step();
+        // seq 2 takes all 4 HBM blocks: seq 1 goes to host 0, 1
+        t.make_resident(2, 4, &one(2), &mut m).unwrap();
+        assert_eq!(m.swap_out, vec![(0, 0), (1, 1)]);
+        assert!(m.host_to_disk.is_empty());
+        let mut m = Moves::default();
+        t.begin_step();
+        // seq 3 evicts seq 2 (4 blocks): the host pool is full, so seq 1's host blocks spill
+        // to disk 0, 1 first; 2 free host blocks still cannot take 4, so seq 2 is dropped
+        t.make_resident(3, 4, &one(3), &mut m).unwrap();
+        assert_eq!(m.host_to_disk, vec![(0, 0), (1, 1)]);
+        assert!(m.swap_out.is_empty());
+        assert_eq!(
+            t.seqs[&1].blocks,
+            vec![BlockLoc::Disk(0), BlockLoc::Disk(1)]
+        );
+        assert!(t.seqs[&2].blocks.is_empty());
+        assert_eq!((t.host_free(), t.disk_free()), (2, 2));
+        let mut m = Moves::default();
+        t.begin_step();
+        // seq 1 returns: seq 3 (4 HBM blocks) must leave; 2 host blocks cannot take it and no
+        // other host blocks can spill (seq 1 is protected), so it is dropped; seq 1's disk
+        // blocks are staged through host 0, 1 and swapped in
+        let ids = t.make_resident(1, 2, &one(1), &mut m).unwrap();
+        assert_eq!(ids, vec![0, 1]);
+        assert_eq!(m.disk_to_host, vec![(0, 0), (1, 1)]);
+        assert_eq!(m.swap_in, vec![(0, 0), (1, 1)]);
+        assert!(m.host_to_disk.is_empty());
+        assert!(t.seqs[&3].blocks.is_empty());
+        // staging host blocks and read disk blocks are free only from the next step on
+        assert_eq!((t.host_free(), t.disk_free()), (0, 2));
+        t.begin_step();
+        assert_eq!((t.host_free(), t.disk_free()), (2, 4));
+    }
+
+    #[test]
+    fn blocks_swapped_out_this_step_do_not_spill_before_they_land() {
+        // 4 HBM, 2 host, 4 disk blocks; seq 1 is older than seq 4
+        let mut t = Tiers::new(4, 2, 4, 4, 4);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 2, &BTreeSet::from([1]), &mut m).unwrap();
+        t.begin_step();
+        t.make_resident(4, 2, &BTreeSet::from([4]), &mut m).unwrap();
+        let mut m = Moves::default();
+        t.begin_step();
+        let both = BTreeSet::from([2, 3]);
+        // seq 2 evicts seq 1 to host 0, 1 (written by this step's swap-out)
+        t.make_resident(2, 2, &both, &mut m).unwrap();
+        assert_eq!(m.swap_out, vec![(0, 0), (1, 1)]);
+        // seq 3 evicts seq 4 with the host pool full: seq 1's host blocks hold no data yet,
+        // so they must not spill to disk; seq 4 is dropped instead
+        t.make_resident(3, 2, &both, &mut m).unwrap();
+        assert!(m.host_to_disk.is_empty());
+        assert_eq!(
+            t.seqs[&1].blocks,
+            vec![BlockLoc::Host(0), BlockLoc::Host(1)]
+        );
+        assert!(t.seqs[&4].blocks.is_empty());
+    }
+
+    #[test]
+    fn a_disk_read_needs_host_staging_room() {
+        let mut t = Tiers::new(4, 2, 4, 4, 4);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 2, &BTreeSet::from([1]), &mut m).unwrap();
+        t.seqs.get_mut(&1).unwrap().blocks = vec![BlockLoc::Disk(0), BlockLoc::Disk(1)];
+        // host blocks 0, 1 held by seq 2, which is protected in the same step
+        t.seqs.insert(
+            2,
+            SeqPlacement {
+                blocks: vec![BlockLoc::Host(0), BlockLoc::Host(1)],
+                ..SeqPlacement::default()
+            },
+        );
+        t.host_free.clear();
+        let e = t
+            .make_resident(1, 2, &BTreeSet::from([1, 2]), &mut m)
+            .unwrap_err();
+        assert_eq!(e, TierError::HostFull { needed: 2, free: 0 });
+    }
+
+    #[test]
     fn rings_are_saved_to_host_on_eviction_and_restored() {
-        let mut t = Tiers::new(8, 8, 1, 2);
+        let mut t = Tiers::new(8, 8, 0, 1, 2);
         let mut m = Moves::default();
         t.begin_step();
         t.make_resident(1, 1, &BTreeSet::from([1]), &mut m).unwrap();

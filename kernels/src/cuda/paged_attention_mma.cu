@@ -19,7 +19,11 @@
 // Compile-time (NVRTC -D): D_QK, D_V (multiples of 32, D_V <= D_QK), GROUP (<= 16), QT, TK (keys
 // per tile: 16 or 32), STAGES, WARPS, MINB (blocks per SM for __launch_bounds__), SWZ, PF (L2
 // 256-byte prefetch hint), ROWP (padded shared row in bf16: row bytes / 4 = 16 mod 32
-// banks, so the 8 lanes of a 16-byte phase hit distinct banks).
+// banks, so the 8 lanes of a 16-byte phase hit distinct banks), LAZY (skip the rescale of the
+// output accumulators when no row's running max moved in this tile: the factor would be exactly
+// 1, or 0 on an all-padding row whose accumulators are 0, so the result is bit-identical; after
+// the first few tiles of random-ish scores the max rarely moves, and the rescale is 64 FMULs of
+// a ~300-instruction tile at d 128).
 #define KCH (D_QK / 32)
 #define VCH (D_V / 32)
 #define NCH16 (D_QK / 8)
@@ -33,6 +37,9 @@
 #endif
 #ifndef PF
 #define PF 0
+#endif
+#ifndef LAZY
+#define LAZY 0
 #endif
 // 16-byte chunk `chunk` of shared row `row`: with SWZ the rows are unpadded and odd rows swap
 // the halves of each 128-byte group, so the two keys of one 8-lane access phase never share a
@@ -226,6 +233,9 @@ paged_attention_mma(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         const float mn0 = fmaxf(m0, mt0), mn1 = fmaxf(m1, mt1);
         const float b0 = mn0 == -INFINITY ? 0.f : mn0, b1 = mn1 == -INFINITY ? 0.f : mn1;
         const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+#if LAZY
+        const float mo0 = m0, mo1 = m1;
+#endif
         m0 = mn0;
         m1 = mn1;
         float ps0 = 0.f, ps1 = 0.f;
@@ -240,15 +250,21 @@ paged_attention_mma(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         }
         l0 = l0 * c0 + ps0;  // per-thread partial row sums; the quad is summed at the end
         l1 = l1 * c1 + ps1;
+#if LAZY
+        // (uniform branch: the vote covers the whole warp)
+        if (!__all_sync(0xffffffffu, mn0 == mo0 && mn1 == mo1))
+#endif
+        {
 #pragma unroll
-        for (int c = 0; c < VCH; ++c)
+            for (int c = 0; c < VCH; ++c)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                o[c][j][0] *= c0;
-                o[c][j][1] *= c0;
-                o[c][j][2] *= c1;
-                o[c][j][3] *= c1;
-            }
+                for (int j = 0; j < 4; ++j) {
+                    o[c][j][0] *= c0;
+                    o[c][j][1] *= c0;
+                    o[c][j][2] *= c1;
+                    o[c][j][3] *= c1;
+                }
+        }
         // O += P · V, 16 keys per MMA step.
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
