@@ -2,11 +2,15 @@
 //! [`CudaBackend`], fits the simulator's cost-model form by weighted least squares and writes a
 //! hardware profile in the format of `sim/profiles/sm100-published.toml`.
 //!
-//! Prefill: `t = base + L_enc·(a·n + b·n·(p + n/2)) + L_dec·(a·r + b·r²/2)` (n new tokens,
-//! p prefix, r decoder replay). Decode: `t = base + c_seq·B + c_kv·ΣKV + c_tok·N + c_sq·N²`
-//! (B sequences, N = query tokens). Residuals are relative (each point weighs 1/t), so short
-//! and long steps count alike; a coefficient the fit makes negative is pinned at 0 and the
-//! rest refitted (non-negative least squares by elimination).
+//! Prefill: `t = base + L_enc·(a·n + b·ramp(n)·n·(p + n/2)) + L_dec·(a·r + b·r²/2 + x·r·(p + n))`
+//! (n new tokens, p prefix, r decoder replay, `ramp(n) = min(1, n / n_ramp)` for a one-chunk
+//! step; see
+//! [`PrefillCostModel`]). `n_ramp` is not linear: each candidate (0 = no ramp, and every swept
+//! chunk size) is fitted and the one with the smallest weighted residual kept. Decode:
+//! `t = base + c_seq·B + c_kv·ΣKV + c_tok·N + c_sq·N²` (B sequences, N = query tokens).
+//! Residuals are relative (each point weighs 1/t), so short and long steps count alike; a
+//! coefficient the fit makes negative is pinned at 0 and the rest refitted (non-negative least
+//! squares by elimination).
 
 use std::time::Instant;
 
@@ -61,7 +65,7 @@ impl CalibrateConfig {
     }
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct PrefillPoint {
     pub new_tokens: usize,
     pub prefix_tokens: usize,
@@ -70,7 +74,7 @@ pub struct PrefillPoint {
     pub median_ns: f64,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct DecodePoint {
     pub batch: usize,
     pub kv_tokens: usize,
@@ -82,7 +86,7 @@ pub struct DecodePoint {
     pub host_gap_ns: f64,
 }
 
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Sweep {
     pub prefill: Vec<PrefillPoint>,
     pub decode: Vec<DecodePoint>,
@@ -306,17 +310,35 @@ pub struct Fit {
     pub sync_gap_ns: f64,
 }
 
-fn prefill_features(p: &PrefillPoint, enc: f64, dec: f64) -> Vec<f64> {
+/// Columns: base, a, b, x (the coefficients of [`PrefillCostModel`] at the ramp `ramp_tokens`).
+fn prefill_features(p: &PrefillPoint, enc: f64, dec: f64, ramp_tokens: f64) -> Vec<f64> {
     let (n, pre, r) = (
         p.new_tokens as f64,
         p.prefix_tokens as f64,
         p.decoder_tokens as f64,
     );
+    let ramp = if ramp_tokens > 0.0 {
+        (n / ramp_tokens).min(1.0)
+    } else {
+        1.0
+    };
     vec![
         1.0,
         enc * n + dec * r,
-        enc * n * (pre + n / 2.0) + dec * r * r / 2.0,
+        enc * ramp * n * (pre + n / 2.0) + dec * r * r / 2.0,
+        dec * r * (pre + n),
     ]
+}
+
+/// Σ ((predicted − measured) / measured)²: what the weighted fit minimises.
+fn weighted_sse(x: &[Vec<f64>], y: &[f64], c: &[f64]) -> f64 {
+    x.iter()
+        .zip(y)
+        .map(|(f, &yi)| {
+            let p: f64 = f.iter().zip(c).map(|(a, b)| a * b).sum();
+            (p / yi - 1.0).powi(2)
+        })
+        .sum()
 }
 
 fn decode_features(d: &DecodePoint) -> Vec<f64> {
@@ -334,23 +356,44 @@ pub fn fit(
     swap_in_bytes_per_s: f64,
 ) -> Fit {
     let (enc, dec) = (encoder_layers as f64, decoder_layers as f64);
-    let px: Vec<Vec<f64>> = sweep
-        .prefill
-        .iter()
-        .map(|p| prefill_features(p, enc, dec))
-        .collect();
     let py: Vec<f64> = sweep.prefill.iter().map(|p| p.median_ns).collect();
-    let pc = fit_nonneg(&px, &py);
+    // The ramp candidates: none, and every swept chunk size (ascending, so ties keep the
+    // smaller ramp).
+    let mut ramps: Vec<f64> = sweep.prefill.iter().map(|p| p.new_tokens as f64).collect();
+    ramps.push(0.0);
+    ramps.sort_by(f64::total_cmp);
+    ramps.dedup();
+    // (weighted SSE, ramp, features, coefficients) of the best ramp so far
+    type Candidate = (f64, f64, Vec<Vec<f64>>, Vec<f64>);
+    let mut best: Option<Candidate> = None;
+    for ramp in ramps {
+        let px: Vec<Vec<f64>> = sweep
+            .prefill
+            .iter()
+            .map(|p| prefill_features(p, enc, dec, ramp))
+            .collect();
+        let pc = fit_nonneg(&px, &py);
+        let sse = weighted_sse(&px, &py, &pc);
+        if best.as_ref().is_none_or(|b| sse < b.0) {
+            best = Some((sse, ramp, px, pc));
+        }
+    }
+    let (_, ramp, px, mut pc) = best.unwrap_or((0.0, 0.0, Vec::new(), Vec::new()));
+    // An empty sweep fits nothing: zero coefficients (the profile then fails validation).
+    pc.resize(4, 0.0);
     let prefill = PrefillCostModel {
         base_ns: pc[0],
         per_layer_token_ns: pc[1].max(1e-6),
         per_layer_token_ctx_ns: pc[2],
         moe_share: 0.6,
         reference_imbalance: 1.0,
+        attention_ramp_tokens: ramp,
+        per_layer_replay_ctx_ns: pc[3],
     };
     let dx: Vec<Vec<f64>> = sweep.decode.iter().map(decode_features).collect();
     let dy: Vec<f64> = sweep.decode.iter().map(|d| d.median_ns).collect();
-    let dc = fit_nonneg(&dx, &dy);
+    let mut dc = fit_nonneg(&dx, &dy);
+    dc.resize(5, 0.0);
     let decode = DecodeTimeModel {
         base_ns: dc[0],
         per_seq_ns: dc[1],
@@ -384,6 +427,8 @@ pub struct ProfileHeader {
     pub date: String,
     pub commit: String,
     pub model: String,
+    /// Extra comment lines (how the profile was made, beyond a plain calibration).
+    pub notes: Vec<String>,
 }
 
 /// The profile text: comments (provenance, fit, residuals), then the sections the simulator's
@@ -408,7 +453,17 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
     s.push_str(
         "# reference_imbalance 1.0; dynamic_overhead_ns 0 (the backend has no split kernel).\n#\n",
     );
-    s.push_str("# PREFILL  t = base + L_enc(a n + b n (p + n/2)) + L_dec(a r + b r^2/2)\n");
+    for line in &h.notes {
+        s.push_str(&format!("# {line}\n"));
+    }
+    if !h.notes.is_empty() {
+        s.push_str("#\n");
+    }
+    s.push_str("# PREFILL  t = base + sum over chunks L_enc(a n + b ramp(N) n (p + n/2)) + L_dec(a r + b r^2/2 + x r (p + n)),\n");
+    s.push_str(&format!(
+        "#          N = the step's new tokens, ramp(N) = min(1, N / {:.0}) (1 if 0)\n",
+        fit.prefill.attention_ramp_tokens
+    ));
     s.push_str("#   n      p      r    measured ms  fitted ms  error\n");
     for (pt, (y, f)) in sweep.prefill.iter().zip(&fit.prefill_residuals) {
         s.push_str(&format!(
@@ -457,8 +512,8 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
     ));
     let p = &fit.prefill;
     s.push_str(&format!(
-        "[prefill]\nbase_ns = {:.1}\nper_layer_token_ns = {:.6}\nper_layer_token_ctx_ns = {:.9}\nmoe_share = {}\nreference_imbalance = {}\n\n",
-        p.base_ns, p.per_layer_token_ns, p.per_layer_token_ctx_ns, p.moe_share, p.reference_imbalance
+        "[prefill]\nbase_ns = {:.1}\nper_layer_token_ns = {:.6}\nper_layer_token_ctx_ns = {:.9}\nattention_ramp_tokens = {:.1}\nper_layer_replay_ctx_ns = {:.9}\nmoe_share = {}\nreference_imbalance = {}\n\n",
+        p.base_ns, p.per_layer_token_ns, p.per_layer_token_ctx_ns, p.attention_ramp_tokens, p.per_layer_replay_ctx_ns, p.moe_share, p.reference_imbalance
     ));
     let d = &fit.decode;
     s.push_str(&format!(
@@ -502,6 +557,61 @@ mod tests {
         assert!(c.iter().all(|v| *v >= 0.0));
     }
 
+    /// Points generated by the cost model itself (one chunk per step, 20 + 20 layers): the fit
+    /// finds the ramp among the swept sizes and recovers every coefficient.
+    #[test]
+    fn prefill_fit_recovers_ramp_and_replay_cross_attention() {
+        let truth = PrefillCostModel {
+            base_ns: 15e6,
+            per_layer_token_ns: 500.0,
+            per_layer_token_ctx_ns: 0.8,
+            moe_share: 0.6,
+            reference_imbalance: 1.0,
+            attention_ramp_tokens: 1024.0,
+            per_layer_replay_ctx_ns: 0.25,
+        };
+        let mut prefill = Vec::new();
+        for n in [128u32, 512, 1024, 2048, 4096] {
+            for (p, r) in [(0u32, 140u32), (2048, 140), (8192, 140), (8192, 0)] {
+                let c = PrefillChunk {
+                    request: RequestId(0),
+                    new_tokens: n,
+                    prefix_tokens: p,
+                    new_token_layers: 20,
+                    decoder_tokens: r,
+                    decoder_layers: 20,
+                    swap_in_bytes: 0,
+                };
+                prefill.push(PrefillPoint {
+                    new_tokens: n as usize,
+                    prefix_tokens: p as usize,
+                    decoder_tokens: r as usize,
+                    durations_ns: vec![],
+                    median_ns: truth.step_ns(&[c], 1.0),
+                });
+            }
+        }
+        let f = fit(
+            &Sweep {
+                prefill,
+                decode: vec![],
+            },
+            20,
+            20,
+            5e10,
+        );
+        let p = &f.prefill;
+        assert_eq!(p.attention_ramp_tokens, 1024.0);
+        for (got, want) in [
+            (p.base_ns, truth.base_ns),
+            (p.per_layer_token_ns, truth.per_layer_token_ns),
+            (p.per_layer_token_ctx_ns, truth.per_layer_token_ctx_ns),
+            (p.per_layer_replay_ctx_ns, truth.per_layer_replay_ctx_ns),
+        ] {
+            assert!((got / want - 1.0).abs() < 1e-6, "{p:?}");
+        }
+    }
+
     #[test]
     fn profile_text_has_every_section_and_parses() {
         let sweep = Sweep {
@@ -532,6 +642,7 @@ mod tests {
                 date: "x".into(),
                 commit: "c".into(),
                 model: "m".into(),
+                notes: vec!["refitted".into()],
             },
         );
         let v: toml::Value = toml::from_str(&text).unwrap();

@@ -172,6 +172,7 @@ pub fn calibrate(
             m.top_k,
             m.expert_ffn
         ),
+        notes: Vec::new(),
     };
     let text = calibrate::profile_toml(&fit, &sweep, &header);
     let dir = o.out.parent().unwrap_or(Path::new("."));
@@ -199,6 +200,212 @@ pub fn calibrate(
         t0.elapsed().as_secs_f64()
     ));
     Ok(text)
+}
+
+/// Options of an offline re-fit: a saved calibration sweep (and optionally a saved
+/// conformance record) to a profile, without a GPU.
+#[derive(Debug, Clone)]
+pub struct RefitOptions {
+    /// The sweep JSON `calibrate` wrote (`{"config", "model", "sweep", "fit"}`).
+    pub sweep: PathBuf,
+    /// A conformance record of the same GPU: its first `decode_offset_fraction` of decode steps
+    /// (in run order) set the decode engine offset; the rest of the run is held out.
+    pub record: Option<PathBuf>,
+    pub decode_offset_fraction: f64,
+    /// Where the profile goes.
+    pub out: PathBuf,
+    pub name: String,
+    /// Header facts of the original calibration (the sweep does not hold them).
+    pub gpu: String,
+    pub driver: String,
+    pub date: String,
+    pub commit: String,
+}
+
+/// What [`refit`] produced.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Refit {
+    pub profile_text: String,
+    /// Added to the sweep-fitted decode base (0 without a record).
+    pub decode_offset_ns: f64,
+    /// Steps of the record before this index (holding the fitted share of its decode steps)
+    /// set the offset; the steps from it on are held out.
+    pub fit_steps: usize,
+}
+
+/// Re-fits a profile from a saved sweep: the cost-model forms of [`calibrate::fit`], the
+/// transfer rates and model shape the sweep recorded, and, given a record, the decode engine
+/// offset ([`conformance::decode_offset_ns`]) from the record's first decode steps.
+pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
+    let json_err = |cause| CommandError::Json {
+        path: o.sweep.clone(),
+        cause,
+    };
+    let v: serde_json::Value = serde_json::from_str(&read(&o.sweep)?).map_err(json_err)?;
+    let sweep: calibrate::Sweep = serde_json::from_value(v["sweep"].clone()).map_err(json_err)?;
+    let m: ModelShape = serde_json::from_value(v["model"].clone()).map_err(json_err)?;
+    let swap = v["fit"]["swap_in_bytes_per_s"].as_f64().ok_or_else(|| {
+        CommandError::Failed(format!(
+            "{}: fit.swap_in_bytes_per_s missing",
+            o.sweep.display()
+        ))
+    })?;
+    let mut fit = calibrate::fit(&sweep, m.encoder_layers, m.decoder_layers, swap);
+    let mut header = calibrate::ProfileHeader {
+        name: o.name.clone(),
+        gpu: o.gpu.clone(),
+        driver: o.driver.clone(),
+        date: o.date.clone(),
+        commit: o.commit.clone(),
+        model: format!(
+            "{}+{} layers, hidden {}, {} kv heads x {} x d {}, {} experts top-{} ffn {}",
+            m.encoder_layers,
+            m.decoder_layers,
+            m.hidden,
+            m.kv_heads,
+            m.group,
+            m.head_dim,
+            m.experts,
+            m.top_k,
+            m.expert_ffn
+        ),
+        notes: vec![format!(
+            "Re-fitted offline (`hw::commands::refit`) from the saved sweep {}.",
+            file_name(&o.sweep)
+        )],
+    };
+    let (mut offset, mut split) = (0.0, 0);
+    if let Some(path) = &o.record {
+        let record: Record =
+            serde_json::from_str(&read(path)?).map_err(|cause| CommandError::Json {
+                path: path.clone(),
+                cause,
+            })?;
+        let file = ConformanceFile::parse(&record.config, "record.config")?;
+        let text = calibrate::profile_toml(&fit, &sweep, &header);
+        let sweep_only = HardwareProfile::from_toml_str(&text, "refit")?;
+        let cost = conformance::prediction_cost(&file, sweep_only)?;
+        split = conformance::decode_split(&record.run.steps, o.decode_offset_fraction);
+        offset = conformance::decode_offset_ns(&cost, &record.run.steps[..split]);
+        fit.decode.base_ns = (fit.decode.base_ns + offset).max(0.0);
+        for r in &mut fit.decode_residuals {
+            r.1 += offset;
+        }
+        header.notes.push(format!(
+            "Decode base includes an engine offset of {:+.3} ms: the median of measured - predicted over",
+            offset / 1e6
+        ));
+        header.notes.push(format!(
+            "the first {:.0}% of the decode steps (run steps 0..{split}) of the conformance record {}",
+            100.0 * o.decode_offset_fraction,
+            file_name(path)
+        ));
+        header.notes.push(
+            "(the engine loop's decode steps run slower than isolated sweep steps of the same shape); the"
+                .into(),
+        );
+        header.notes.push(
+            "decode residuals below include it. The rest of that record is held out for evaluation."
+                .into(),
+        );
+    }
+    let text = calibrate::profile_toml(&fit, &sweep, &header);
+    HardwareProfile::from_toml_str(&text, "refit")?;
+    let dir = o.out.parent().unwrap_or(Path::new("."));
+    write(dir, &file_name(&o.out), &text)?;
+    Ok(Refit {
+        profile_text: text,
+        decode_offset_ns: offset,
+        fit_steps: split,
+    })
+}
+
+/// A record re-analysed with a re-fitted profile, plus the step errors over the held-out part
+/// (steps from `fit_steps` on) alone.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RefitAnalysis {
+    pub analysis: conformance::Analysis,
+    pub fit_steps: usize,
+    pub decode_offset_ns: f64,
+    pub held_out: conformance::StepErrors,
+}
+
+/// Re-analyses `record` with the profile `refit` wrote; writes `{prefix}conformance-refit.md`
+/// and `.json` under `out`. `sources` is a markdown paragraph saying which data fitted what.
+pub fn refit_conformance(
+    record: &Path,
+    refit: &Refit,
+    out: &Path,
+    prefix: &str,
+    sources: &str,
+) -> Result<RefitAnalysis, CommandError> {
+    let rec: Record = serde_json::from_str(&read(record)?).map_err(|cause| CommandError::Json {
+        path: record.to_path_buf(),
+        cause,
+    })?;
+    let profile = HardwareProfile::from_toml_str(&refit.profile_text, "refit")?;
+    let analysis = conformance::analyze(&rec, profile.clone())?;
+    let file = ConformanceFile::parse(&rec.config, "record.config")?;
+    let cost = conformance::prediction_cost(&file, profile)?;
+    let split = refit.fit_steps.min(rec.run.steps.len());
+    let held_out = conformance::step_errors(&cost, &rec.run.steps[split..]);
+    let mut md = conformance::markdown(&analysis);
+    md.push_str(&format!(
+        "\n## 4. What was fitted on what\n\n{sources}\n\n\
+         Held out: run steps {split}..{} ({} steps: {} prefill, {} decode), predicted by the same \
+         profile; the decode offset ({:+.3} ms) was fitted on steps 0..{split} only.\n\n\
+         | held-out steps | n | median abs error | P90 abs error | median signed | total |\n\
+         |---|---|---|---|---|---|\n",
+        rec.run.steps.len(),
+        held_out.all.steps,
+        held_out.prefill.steps,
+        held_out.decode.steps,
+        refit.decode_offset_ns / 1e6,
+    ));
+    let upct = |x: f64| format!("{:.1}%", 100.0 * x);
+    let pct = |x: f64| format!("{:+.1}%", 100.0 * x);
+    for (name, st) in [
+        ("all", &held_out.all),
+        ("prefill", &held_out.prefill),
+        ("decode", &held_out.decode),
+    ] {
+        md.push_str(&format!(
+            "| {name} | {} | {} | {} | {} | {} |\n",
+            st.steps,
+            upct(st.abs_median),
+            upct(st.abs_p90),
+            pct(st.signed_median),
+            pct(st.total)
+        ));
+    }
+    md.push_str(&format!(
+        "\nHeld-out median ≤ {}: {}.\n",
+        upct(conformance::STEP_ERROR_MEDIAN_TARGET),
+        if held_out.all.abs_median <= conformance::STEP_ERROR_MEDIAN_TARGET {
+            "met"
+        } else {
+            "**not met**"
+        }
+    ));
+    let a = RefitAnalysis {
+        analysis,
+        fit_steps: split,
+        decode_offset_ns: refit.decode_offset_ns,
+        held_out,
+    };
+    write(out, &format!("{prefix}conformance-refit.md"), &md)?;
+    write(
+        out,
+        &format!("{prefix}conformance-refit.json"),
+        &serde_json::to_string_pretty(&a).unwrap_or_default(),
+    )?;
+    Ok(a)
+}
+
+fn file_name(p: &Path) -> String {
+    p.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Options of the conformance run.

@@ -980,6 +980,65 @@ pub fn workload(file: &ConformanceFile) -> Result<Vec<Request>, ConfigError> {
     Ok(trace.requests)
 }
 
+/// The cost model that predicts a config's recorded steps with `profile` (overlapped swap-in,
+/// the config's matched acceptance and draft length).
+pub fn prediction_cost(
+    file: &ConformanceFile,
+    profile: HardwareProfile,
+) -> Result<CostModel, ConfigError> {
+    Ok(CostModel::new(
+        profile,
+        &file.matched_acceptance(),
+        file.conformance.draft_tokens,
+        SwapIn::Overlapped,
+        servelab_core::seed::sub_seed(file.seed()?, "conformance.sim"),
+    ))
+}
+
+/// The index that splits `steps` so the part before it holds the first `fraction` (0–1) of
+/// the decode steps, in run order: a time-ordered fit / held-out split.
+pub fn decode_split(steps: &[RecordedStep], fraction: f64) -> usize {
+    let total = steps
+        .iter()
+        .filter(|s| matches!(s.plan, StepPlan::Decode(_)))
+        .count();
+    let want = (total as f64 * fraction.clamp(0.0, 1.0)).round() as usize;
+    if want == 0 {
+        return 0;
+    }
+    let mut seen = 0;
+    for (i, s) in steps.iter().enumerate() {
+        if matches!(s.plan, StepPlan::Decode(_)) {
+            seen += 1;
+            if seen == want {
+                return i + 1;
+            }
+        }
+    }
+    steps.len()
+}
+
+/// Median of measured − predicted over the decode steps of `steps` (0 if none): the time the
+/// engine loop's decode steps take beyond what isolated calibration steps of the same shape
+/// take (host planning with live sequences, under the same CUDA-event span).
+pub fn decode_offset_ns(cost: &CostModel, steps: &[RecordedStep]) -> f64 {
+    let mut d: Vec<f64> = steps
+        .iter()
+        .filter(|s| matches!(s.plan, StepPlan::Decode(_)))
+        .map(|s| s.duration_ns as f64 - predict_ns(cost, s))
+        .collect();
+    if d.is_empty() {
+        return 0.0;
+    }
+    d.sort_by(f64::total_cmp);
+    let n = d.len();
+    if n % 2 == 1 {
+        d[n / 2]
+    } else {
+        (d[n / 2 - 1] + d[n / 2]) / 2.0
+    }
+}
+
 /// Replays, predicts and free-runs a record. `profile` is what the simulator predicts with
 /// (normally the policies' profile, i.e. the one measured on the same GPU).
 pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, ConfigError> {
@@ -988,19 +1047,9 @@ pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, Co
     let setup = file.setup(policy_profile)?;
     let reqs = workload(&file)?;
     let replay = replay_check(&setup, &reqs, &record.run)?;
-    let seed = file.seed()?;
-    let cost = |p: HardwareProfile| {
-        CostModel::new(
-            p,
-            &file.matched_acceptance(),
-            file.conformance.draft_tokens,
-            SwapIn::Overlapped,
-            servelab_core::seed::sub_seed(seed, "conformance.sim"),
-        )
-    };
-    let step_errors = step_errors(&cost(profile.clone()), &record.run.steps);
+    let step_errors = step_errors(&prediction_cost(&file, profile.clone())?, &record.run.steps);
     let sim_setup = file.setup(profile.clone())?;
-    let mut sim_backend = cost(profile.clone());
+    let mut sim_backend = prediction_cost(&file, profile.clone())?;
     let sim = drive(&sim_setup, &reqs, &mut sim_backend)?;
     let latency = latency_comparison(&record.run, &sim);
     let count = |decode: bool| {
@@ -1142,6 +1191,8 @@ mod tests {
                 per_layer_token_ctx_ns: 0.001,
                 moe_share: 0.0,
                 reference_imbalance: 1.0,
+                attention_ramp_tokens: 0.0,
+                per_layer_replay_ctx_ns: 0.0,
             },
             decode: DecodeTimeModel {
                 base_ns: 1e6,
@@ -1316,6 +1367,42 @@ think_time_s = { kind = "fixed", value = 0.2 }
             (44, 256)
         );
         assert_eq!(p.chunks[0].decoder_tokens, 140);
+    }
+
+    /// The split holds the wanted share of decode steps; the offset is the median residual of
+    /// the decode steps before it, and 0 for a cost model that predicts them exactly.
+    #[test]
+    fn decode_offset_is_the_median_residual_before_the_split() {
+        let f = file();
+        let c = cost(&f);
+        let setup = f.setup(profile()).unwrap();
+        let reqs = workload(&f).unwrap();
+        let mut run = drive(&setup, &reqs, &mut cost(&f)).unwrap();
+        let decodes: Vec<usize> = (0..run.steps.len())
+            .filter(|&i| matches!(run.steps[i].plan, StepPlan::Decode(_)))
+            .collect();
+        assert!(decodes.len() >= 4);
+        let split = decode_split(&run.steps, 0.5);
+        let want = (decodes.len() as f64 * 0.5).round() as usize;
+        assert_eq!(split, decodes[want - 1] + 1);
+        assert_eq!(
+            decode_split(&run.steps, 1.0),
+            decodes[decodes.len() - 1] + 1
+        );
+        assert_eq!(decode_split(&run.steps, 0.0), 0);
+        let exact: Vec<f64> = run.steps.iter().map(|s| predict_ns(&c, s)).collect();
+        for (s, p) in run.steps.iter_mut().zip(&exact) {
+            s.duration_ns = p.round() as u64;
+        }
+        assert!(decode_offset_ns(&c, &run.steps[..split]).abs() <= 1.0);
+        // every decode step 2 ms slower: the offset says so
+        for s in run.steps.iter_mut() {
+            if matches!(s.plan, StepPlan::Decode(_)) {
+                s.duration_ns += 2_000_000;
+            }
+        }
+        let off = decode_offset_ns(&c, &run.steps[..split]);
+        assert!((off - 2e6).abs() <= 1.0, "{off}");
     }
 
     #[test]

@@ -13,8 +13,14 @@ use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::collections::VecDeque;
 
-/// Predicted prefill step time: `base + Σ layers × (a·n + b·n·(p + n/2))` over the chunks, the
-/// token terms scaled by the expert imbalance on their MoE share.
+/// Predicted prefill step time: `base + Σ L_enc·(a·n + b·ramp(n)·n·(p + n/2)) + L_dec·(a·r +
+/// b·r²/2 + x·r·(p + n))` over the chunks, the token terms scaled by the expert imbalance on
+/// their MoE share. `ramp(n) = min(1, N / attention_ramp_tokens)` (1 when that is 0), N the
+/// step's new tokens: an attention kernel run once over the step's query rows whose cost per
+/// query–key pair grows with the rows until it saturates (it splits the KV across more blocks
+/// for fewer rows; measured on the H200 backend, 512-row steps pay a quarter of the per-pair
+/// cost of 2,048-row ones). `x` is the decoder replay's cross-attention, which reads the whole
+/// context, not only the replayed segment. Both extra terms default to 0 (the published form).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PrefillCostModel {
@@ -26,19 +32,46 @@ pub struct PrefillCostModel {
     pub moe_share: f64,
     /// Imbalance the profile was measured at (SPEC §9: 1.074 at EP4/DP4).
     pub reference_imbalance: f64,
+    /// Chunk size (new tokens) from which the encoder attention pays its full per-pair cost;
+    /// smaller chunks pay `n / attention_ramp_tokens` of it. 0: every chunk pays the full cost.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attention_ramp_tokens: f64,
+    /// Decoder replay cross-attention: per layer, per replayed token, per context token
+    /// (prefix + new) it reads. 0: the replay attends only inside the replayed segment.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub per_layer_replay_ctx_ns: f64,
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl PrefillCostModel {
-    /// Compute of one chunk, without the step's base cost.
+    /// Compute of one chunk, without the step's base cost, as if it were alone in its step.
     pub fn chunk_ns(&self, c: &PrefillChunk, imbalance: f64) -> f64 {
+        self.chunk_in_step_ns(c, c.new_tokens, imbalance)
+    }
+
+    /// Compute of one chunk in a step of `step_new_tokens` new tokens: the attention kernel
+    /// runs once over every query row of the step, so the ramp follows the step's rows.
+    pub fn chunk_in_step_ns(&self, c: &PrefillChunk, step_new_tokens: u32, imbalance: f64) -> f64 {
         let n = f64::from(c.new_tokens);
         let p = f64::from(c.prefix_tokens);
         let r = f64::from(c.decoder_tokens);
+        let ramp = if self.attention_ramp_tokens > 0.0 {
+            (f64::from(step_new_tokens) / self.attention_ramp_tokens).min(1.0)
+        } else {
+            1.0
+        };
         let enc = f64::from(c.new_token_layers)
-            * (self.per_layer_token_ns * n + self.per_layer_token_ctx_ns * n * (p + n / 2.0));
-        // The decoder replay attends only inside the replayed segment (bounded replay).
+            * (self.per_layer_token_ns * n
+                + self.per_layer_token_ctx_ns * ramp * n * (p + n / 2.0));
+        // The decoder replay's self-attention stays inside the replayed segment (bounded
+        // replay); its cross-attention reads the whole context.
         let dec = f64::from(c.decoder_layers)
-            * (self.per_layer_token_ns * r + self.per_layer_token_ctx_ns * r * r / 2.0);
+            * (self.per_layer_token_ns * r
+                + self.per_layer_token_ctx_ns * r * r / 2.0
+                + self.per_layer_replay_ctx_ns * r * (p + n));
         let scale = 1.0 - self.moe_share + self.moe_share * imbalance / self.reference_imbalance;
         (enc + dec) * scale
     }
@@ -47,10 +80,11 @@ impl PrefillCostModel {
         if chunks.is_empty() {
             return 0.0;
         }
+        let rows = chunks.iter().map(|c| c.new_tokens).sum();
         self.base_ns
             + chunks
                 .iter()
-                .map(|c| self.chunk_ns(c, imbalance))
+                .map(|c| self.chunk_in_step_ns(c, rows, imbalance))
                 .sum::<f64>()
     }
 
@@ -59,6 +93,8 @@ impl PrefillCostModel {
             ("base_ns", self.base_ns),
             ("per_layer_token_ns", self.per_layer_token_ns),
             ("per_layer_token_ctx_ns", self.per_layer_token_ctx_ns),
+            ("attention_ramp_tokens", self.attention_ramp_tokens),
+            ("per_layer_replay_ctx_ns", self.per_layer_replay_ctx_ns),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(ConfigError::invalid(
@@ -382,6 +418,8 @@ mod tests {
             per_layer_token_ctx_ns: 0.0,
             moe_share: 0.0,
             reference_imbalance: 1.0,
+            attention_ramp_tokens: 0.0,
+            per_layer_replay_ctx_ns: 0.0,
         }
     }
     fn job(id: u64, prompt: u32, hit: u32) -> PrefillJob {
@@ -426,6 +464,54 @@ mod tests {
         };
         assert_eq!(m.chunk_ns(&c, 1.0), 105_235.0);
         assert_eq!(m.step_ns(&[c], 1.0), 106_235.0);
+    }
+
+    #[test]
+    fn ramp_and_replay_cross_attention_golden() {
+        let m = PrefillCostModel {
+            per_layer_token_ctx_ns: 0.5,
+            attention_ramp_tokens: 400.0,
+            per_layer_replay_ctx_ns: 0.25,
+            ..model()
+        };
+        // n = 100 is a quarter of the ramp: 2 × (100 + 0.25 × 0.5 × 100 × 1050) = 26,450;
+        // decoder 10 tokens × 1 layer: 10 + 0.5 × 50 + 0.25 × 10 × 1100 = 2,785.
+        let mut c = PrefillChunk {
+            request: RequestId(0),
+            new_tokens: 100,
+            prefix_tokens: 1000,
+            new_token_layers: 2,
+            decoder_tokens: 10,
+            decoder_layers: 1,
+            swap_in_bytes: 0,
+        };
+        assert_eq!(m.chunk_ns(&c, 1.0), 29_235.0);
+        // past the ramp the full per-pair cost: 2 × (800 + 0.5 × 800 × 1400) = 1,121,600;
+        // decoder 10 + 25 + 0.25 × 10 × 1800 = 4,535.
+        c.new_tokens = 800;
+        assert_eq!(m.chunk_ns(&c, 1.0), 1_126_135.0);
+        // Two 100-token chunks share one attention launch of 200 rows: each pays half the
+        // per-pair cost, 2 × (100 + 0.5 × 0.5 × 100 × 1050) + 2,785 = 55,485, plus the base.
+        c.new_tokens = 100;
+        let step = m.step_ns(&[c, c], 1.0);
+        assert_eq!(step, 1_000.0 + 2.0 * 55_485.0);
+    }
+
+    #[test]
+    fn extra_terms_default_to_the_published_form() {
+        let text = "base_ns = 1000.0\nper_layer_token_ns = 1.0\nper_layer_token_ctx_ns = 0.5\n\
+                    moe_share = 0.0\nreference_imbalance = 1.0\n";
+        let m: PrefillCostModel = toml::from_str(text).unwrap();
+        assert_eq!(m.attention_ramp_tokens, 0.0);
+        assert_eq!(m.per_layer_replay_ctx_ns, 0.0);
+        let back = toml::to_string(&m).unwrap();
+        assert!(!back.contains("ramp") && !back.contains("replay"), "{back}");
+        let bad = PrefillCostModel {
+            attention_ramp_tokens: -1.0,
+            ..model()
+        };
+        let e = bad.validate("prefill").unwrap_err().to_string();
+        assert!(e.contains("prefill.attention_ramp_tokens"), "{e}");
     }
 
     #[test]
