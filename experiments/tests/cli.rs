@@ -379,3 +379,46 @@ fn eplb_reproduces_the_published_example() {
         stderr(&o)
     );
 }
+
+#[test]
+fn hw_refit_reproduces_the_committed_conformance_analysis() {
+    // No GPU needed: re-fit from the committed H200 sweep and re-analyse the committed record.
+    let d = scratch("refit");
+    let m = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../hw/measurements/2026-11-29-nvidia-h200-run5-"
+    );
+    let sweep = format!("{m}calibrate-sweep.json");
+    let record = format!("{m}conformance-record.json");
+    let profile = d.join("p.toml");
+    let o = servelab(&[
+        "hw",
+        "refit",
+        "--sweep",
+        &sweep,
+        "--record",
+        &record,
+        "--out",
+        profile.to_str().unwrap(),
+        "--report-dir",
+        d.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report = std::fs::read_to_string(d.join("conformance-refit.md")).unwrap();
+    assert!(report.contains("Target median ≤ 5.0%: met."), "{report}");
+    assert!(
+        std::fs::read_to_string(&profile)
+            .unwrap()
+            .contains("[decode]")
+    );
+    let o = servelab(&[
+        "hw",
+        "refit",
+        "--sweep",
+        "/nonexistent.json",
+        "--out",
+        profile.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("/nonexistent.json"), "{}", stderr(&o));
+}

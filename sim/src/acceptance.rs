@@ -142,8 +142,14 @@ pub struct AcceptanceTable {
     /// values share a rank, so (rank, sequence, position) orders drafts exactly as the split
     /// kernel does (cumulative confidence descending, then sequence, then position).
     rank: Vec<u32>,
+    /// `rank >> rank_shift` is one of at most [`RANK_BUCKETS`] coarse buckets (see `split`).
+    rank_shift: u32,
     bin: Vec<u8>,
 }
+
+/// Coarse rank buckets of the split's counting pass: few enough to clear per rank-step, many
+/// enough that the bucket holding the cut has only a handful of drafts.
+const RANK_BUCKETS: usize = 256;
 
 impl AcceptanceTable {
     pub fn new(m: &AcceptanceModel, drafts: u32, seed: u64) -> Self {
@@ -177,6 +183,10 @@ impl AcceptanceTable {
             }
             rank[x as usize] = r;
         }
+        let mut rank_shift = 0;
+        while (r >> rank_shift) as usize >= RANK_BUCKETS {
+            rank_shift += 1;
+        }
         let bin = cum_conf
             .iter()
             .map(|&c| ConfidenceHistogram::bin(c) as u8)
@@ -188,6 +198,7 @@ impl AcceptanceTable {
             cum_conf,
             cum_true,
             rank,
+            rank_shift,
             bin,
         }
     }
@@ -195,7 +206,12 @@ impl AcceptanceTable {
     /// Draws (profile, uniform) for one sequence-step from one random word.
     #[inline]
     pub fn draw(&self, rng: &mut impl Rng) -> (u32, f64) {
-        let x: u64 = rng.random();
+        self.draw_from_word(rng.random())
+    }
+
+    /// [`Self::draw`] from a random word the caller already has.
+    #[inline]
+    pub fn draw_from_word(&self, x: u64) -> (u32, f64) {
         let p = (((x >> 32) * self.profiles as u64) >> 32) as u32;
         let u = (x & 0xffff_ffff) as f64 / 4_294_967_296.0;
         (p, u)
@@ -205,13 +221,17 @@ impl AcceptanceTable {
     #[inline]
     pub fn accepted(&self, profile: u32, len: u8, u: f64) -> u8 {
         let row = &self.cum_true[profile as usize * self.drafts..][..len as usize];
-        row.iter().take_while(|&&c| c > u).count() as u8
+        // The cumulative row never increases, so the entries above `u` are a prefix: counting
+        // them without an early exit gives the same answer and no branch per draft.
+        row.iter().map(|&c| u8::from(c > u)).sum()
     }
 
     /// Splits `budget` over sequences with profiles `prof` and limits `max_drafts`, exactly as
     /// [`servelab_core::engine::dspark::split_budget`] would on the tabulated confidences, in
-    /// O(sequences × drafts) whatever the table size: each candidate draft gets the key
-    /// (confidence rank, sequence, position), and one selection finds the `budget` smallest.
+    /// O(sequences × drafts) whatever the table size. Each candidate draft has the key
+    /// (confidence rank, sequence, position) and the `budget` smallest keys are taken: a
+    /// counting pass over coarse rank buckets finds the bucket where the cut falls, drafts in
+    /// lower buckets are all taken, and only the few in the cut's bucket are ordered exactly.
     /// `keys` is scratch.
     pub fn split(
         &self,
@@ -232,22 +252,56 @@ impl AcceptanceTable {
         if budget >= total {
             return;
         }
-        keys.clear();
-        for (s, (&p, &m)) in prof.iter().zip(max_drafts).enumerate() {
-            let m = (m as usize).min(d);
-            let ranks = &self.rank[p as usize * d..p as usize * d + m];
-            for (i, &r) in ranks.iter().enumerate() {
-                keys.push(u64::from(r) << 32 | (s as u64) << 8 | i as u64);
-            }
-        }
-        lens[..prof.len()].iter_mut().for_each(|l| *l = 0);
+        let lens = &mut lens[..prof.len()];
+        lens.iter_mut().for_each(|l| *l = 0);
         if budget == 0 {
             return;
         }
-        keys.select_nth_unstable(budget - 1);
-        // Cumulative confidence never rises along a sequence and ties go to the earlier
-        // position, so the selected drafts of a sequence are a prefix: count them.
-        for &k in &keys[..budget] {
+        let sh = self.rank_shift;
+        let mut count = [0u32; RANK_BUCKETS];
+        for (&p, &m) in prof.iter().zip(max_drafts) {
+            let m = (m as usize).min(d);
+            for &r in &self.rank[p as usize * d..p as usize * d + m] {
+                count[(r >> sh) as usize] += 1;
+            }
+        }
+        // The cut's bucket `cut`: fewer than `budget` drafts lie below it, at least that many
+        // up to and including it.
+        let (mut cut, mut below) = (0usize, 0usize);
+        while below + count[cut] as usize <= budget {
+            below += count[cut] as usize;
+            cut += 1;
+            if cut == RANK_BUCKETS {
+                break;
+            }
+        }
+        keys.clear();
+        for (s, ((&p, &m), l)) in prof.iter().zip(max_drafts).zip(lens.iter_mut()).enumerate() {
+            let m = (m as usize).min(d);
+            // Ranks never fall along a sequence (cumulative confidence never rises), so the
+            // drafts below the cut are a prefix and those in the cut's bucket follow it.
+            for (i, &r) in self.rank[p as usize * d..p as usize * d + m]
+                .iter()
+                .enumerate()
+            {
+                let b = (r >> sh) as usize;
+                if b < cut {
+                    *l += 1;
+                } else if b == cut {
+                    keys.push(u64::from(r) << 32 | (s as u64) << 8 | i as u64);
+                } else {
+                    break;
+                }
+            }
+        }
+        let need = budget - below;
+        if need == 0 {
+            return;
+        }
+        keys.select_nth_unstable(need - 1);
+        // Ties go to the earlier position, so a sequence's selected drafts in the cut's bucket
+        // continue its prefix: count them.
+        for &k in &keys[..need] {
             lens[((k >> 8) & 0xff_ffff) as usize] += 1;
         }
     }

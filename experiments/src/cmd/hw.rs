@@ -5,7 +5,9 @@
 //! Rust toolchain, `servelab-gpu` (hw/README.md) runs the same commands.
 
 use anyhow::{Result, anyhow};
-use servelab_hw::commands::{self, CalibrateOptions, CommandError, ConformanceOptions};
+use servelab_hw::commands::{
+    self, CalibrateOptions, CommandError, ConformanceOptions, RefitOptions,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -61,6 +63,39 @@ pub enum HwCommand {
         #[arg(long, default_value = "")]
         prefix: String,
     },
+    /// Re-fit a profile from a saved calibration sweep (no GPU needed); with a conformance
+    /// record, its first decode steps set the engine-loop offset and the rest are held out, and
+    /// the record is re-analysed with the new profile.
+    Refit {
+        /// The sweep JSON `calibrate` wrote (FILE.sweep.json).
+        #[arg(long)]
+        sweep: PathBuf,
+        /// Profile to write.
+        #[arg(long)]
+        out: PathBuf,
+        /// A conformance record of the same GPU.
+        #[arg(long)]
+        record: Option<PathBuf>,
+        /// Share of the record's decode steps (in run order) that set the offset.
+        #[arg(long, default_value_t = 0.5)]
+        decode_offset_fraction: f64,
+        /// Folder for the re-analysis (conformance-refit.md/.json) when a record is given.
+        #[arg(long, default_value = "results/conformance")]
+        report_dir: PathBuf,
+        #[arg(long, default_value = "")]
+        prefix: String,
+        #[arg(long, default_value = "h200-measured")]
+        name: String,
+        /// Header facts of the original calibration (the sweep does not hold them).
+        #[arg(long, default_value = "unknown")]
+        gpu: String,
+        #[arg(long, default_value = "unknown")]
+        driver: String,
+        #[arg(long, default_value = "unknown")]
+        date: String,
+        #[arg(long, default_value = "unknown")]
+        commit: String,
+    },
     /// Decode attention, prefill GEMMs and block swap as ratios to this GPU's ceilings.
     Speed {
         /// Small sizes (a smoke run).
@@ -104,6 +139,55 @@ fn wrap(e: CommandError) -> anyhow::Error {
 
 pub fn run(args: Args) -> Result<()> {
     match args.command {
+        HwCommand::Refit {
+            sweep,
+            out,
+            record,
+            decode_offset_fraction,
+            report_dir,
+            prefix,
+            name,
+            gpu,
+            driver,
+            date,
+            commit,
+        } => {
+            if !(0.0..=1.0).contains(&decode_offset_fraction) {
+                return Err(anyhow!("--decode-offset-fraction must be in [0, 1]"));
+            }
+            let o = RefitOptions {
+                sweep: sweep.clone(),
+                record: record.clone(),
+                decode_offset_fraction,
+                out: out.clone(),
+                name,
+                gpu,
+                driver,
+                date,
+                commit,
+            };
+            let r = commands::refit(&o).map_err(wrap)?;
+            println!(
+                "wrote {} (decode engine offset {:.3} ms)",
+                out.display(),
+                r.decode_offset_ns / 1e6
+            );
+            if let Some(rec) = record {
+                let sources = format!(
+                    "Cost-model shapes fitted on the sweep `{}`; the decode engine offset on the first {:.0}% of the record's decode steps; the remaining steps are held out.",
+                    sweep.display(),
+                    100.0 * decode_offset_fraction
+                );
+                commands::refit_conformance(&rec, &r, &report_dir, &prefix, &sources)
+                    .map_err(wrap)?;
+                println!(
+                    "wrote {}",
+                    report_dir
+                        .join(format!("{prefix}conformance-refit.md"))
+                        .display()
+                );
+            }
+        }
         HwCommand::Calibrate {
             out,
             quick,
