@@ -232,7 +232,7 @@ pub fn measure_decode(
     let tile_options: Vec<Option<MmaConfig>> = match (kernel, att.mma_tiles()) {
         (AttentionKernel::Mma, Some(default)) => {
             let mut v = vec![Some(default)];
-            for (keys_per_tile, stages, warps, min_blocks, swizzle, l2_prefetch, lazy_rescale) in [
+            for t_swap in [
                 (16, 2, 16, 1, false, false, false),
                 (16, 3, 16, 1, true, false, false),
                 (16, 3, 16, 1, true, true, false),
@@ -259,7 +259,32 @@ pub fn measure_decode(
                 (16, 2, 8, 2, false, false, true),
                 (32, 2, 8, 1, false, false, true),
                 (16, 2, 4, 2, true, false, true),
-            ] {
+            ]
+            .into_iter()
+            .map(|t| (t, false))
+            .chain(
+                // run7: swapped operands (keys as the MMA's M, query rows as N): half the
+                // MMAs at group <= 8 and half the output registers, so fewer warps with more
+                // keys in flight and deeper rings become affordable
+                [
+                    (16, 2, 16, 1, false, true, true),
+                    (16, 2, 16, 1, false, false, true),
+                    (16, 2, 16, 1, true, true, true),
+                    (16, 3, 16, 1, true, true, true),
+                    (32, 2, 8, 1, false, true, true),
+                    (32, 2, 8, 2, false, true, true),
+                    (32, 3, 8, 1, true, true, true),
+                    (16, 4, 8, 1, true, true, true),
+                    (16, 2, 8, 2, false, true, true),
+                    (32, 2, 4, 4, true, true, true),
+                ]
+                .into_iter()
+                .map(|t| (t, true)),
+            ) {
+                let (
+                    (keys_per_tile, stages, warps, min_blocks, swizzle, l2_prefetch, lazy_rescale),
+                    swap_operands,
+                ) = t_swap;
                 let c = MmaConfig {
                     keys_per_tile,
                     stages,
@@ -268,6 +293,7 @@ pub fn measure_decode(
                     swizzle,
                     l2_prefetch,
                     lazy_rescale,
+                    swap_operands,
                 };
                 // every block the launch bounds ask for must fit in the SM's shared memory
                 if c != default
@@ -341,7 +367,7 @@ pub fn measure_decode(
     };
     let tiles_note = match tiles {
         Some(c) => format!(
-            "; best tiles {} keys x {} stages x {} warps, {} blocks/SM bound, swizzle {}, L2 prefetch {}, lazy rescale {}, of {} tried",
+            "; best tiles {} keys x {} stages x {} warps, {} blocks/SM bound, swizzle {}, L2 prefetch {}, lazy rescale {}, swapped operands {}, of {} tried",
             c.keys_per_tile,
             c.stages,
             c.warps,
@@ -349,6 +375,7 @@ pub fn measure_decode(
             c.swizzle,
             c.l2_prefetch,
             c.lazy_rescale,
+            c.swap_operands,
             tile_options.len()
         ),
         None => String::new(),

@@ -374,6 +374,8 @@ struct DeviceGroups {
     q0: CudaSlice<i32>,
     qn: CudaSlice<i32>,
     count: usize,
+    /// Longest group (query tokens): a kernel with fewer tokens per group cannot run these.
+    max_len: usize,
 }
 
 /// Split partials: (max, sum, weighted values) per (row, head, split).
@@ -432,6 +434,12 @@ pub struct MmaConfig {
     /// Skip the output rescale when no row's running max moved in a tile (exact).
     #[serde(default)]
     pub lazy_rescale: bool,
+    /// Swapped operands (kernel `paged_attention_mma_t`): keys are the 16 MMA rows and up to
+    /// 8 query rows the 8 columns (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ), half the MMAs per key when the
+    /// group's query rows fit in 8 (at most 8 heads per KV head). Shared rows are padded to an
+    /// odd number of 16-byte chunks (or XOR-swizzled by row mod 8) for conflict-free ldmatrix.
+    #[serde(default)]
+    pub swap_operands: bool,
 }
 
 impl MmaConfig {
@@ -441,23 +449,50 @@ impl MmaConfig {
         d_qk + (32 + 64 - d_qk % 64) % 64
     }
 
+    /// Padded shared row of the swapped kernel (bf16 elements): an odd number of 16-byte
+    /// chunks, so the eight rows of one ldmatrix phase fall in distinct bank groups.
+    pub fn padded_row_swapped(d_qk: usize) -> usize {
+        d_qk + if (d_qk / 8).is_multiple_of(2) { 8 } else { 0 }
+    }
+
     /// Shared row of this configuration, bf16 elements.
     pub fn row(&self, d_qk: usize) -> usize {
         if self.swizzle {
             d_qk
+        } else if self.swap_operands {
+            Self::padded_row_swapped(d_qk)
         } else {
             Self::padded_row(d_qk)
         }
     }
 
-    /// Dynamic shared memory of one block: Q (16 rows) plus every warp's tile ring.
+    /// Dynamic shared memory of one block: every warp's tile ring, plus Q (16 rows) for the
+    /// plain kernel (the swapped one keeps Q in registers).
     pub fn smem_bytes(&self, shape: &PagedAttentionShape) -> usize {
-        (16 + self.warps * self.stages * self.keys_per_tile) * self.row(shape.d_qk) * 2
+        let q_rows = if self.swap_operands { 0 } else { 16 };
+        (q_rows + self.warps * self.stages * self.keys_per_tile) * self.row(shape.d_qk) * 2
     }
 
-    /// Query tokens per group: the 16 MMA rows hold `group` heads for each token.
+    /// Query tokens per group of the plain kernel: the 16 MMA rows hold `group` heads for each
+    /// token.
     pub fn query_tokens(shape: &PagedAttentionShape) -> usize {
         (16 / shape.group).max(1)
+    }
+
+    /// Query tokens per group of this configuration: 16 (plain) or 8 (swapped) query rows of
+    /// `group` heads each.
+    pub fn tokens_per_group(&self, shape: &PagedAttentionShape) -> usize {
+        let rows = if self.swap_operands { 8 } else { 16 };
+        (rows / shape.group).max(1)
+    }
+
+    /// Name of the kernel function these tiles compile to.
+    pub fn function_name(&self) -> &'static str {
+        if self.swap_operands {
+            "paged_attention_mma_t"
+        } else {
+            "paged_attention_mma"
+        }
     }
 
     /// Whether this configuration is valid for `shape`.
@@ -478,6 +513,12 @@ impl MmaConfig {
         })?;
         ensure((1..=16).contains(&self.min_blocks), || {
             "min_blocks must be in 1..=16".into()
+        })?;
+        ensure(!self.swap_operands || shape.group <= 8, || {
+            format!(
+                "swapped operands hold at most 8 query rows, not group {}",
+                shape.group
+            )
         })?;
         ensure(self.smem_bytes(shape) <= MAX_DYNAMIC_SMEM, || {
             format!(
@@ -500,9 +541,23 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
         return None;
     }
     // Measured best on the H200 (`servelab-gpu speed` sweeps the alternatives, 2026-11-29):
-    // many register-capped warps with a two-stage cp.async ring; at d 128 padded rows beat the
-    // swizzled three-stage ring (67.2% vs less), at d 256 the swizzled rows fit two blocks/SM.
-    let cfg = if shape.d_qk <= 128 {
+    // many warps with a two-stage cp.async ring. At d <= 128 with at most 8 heads per KV head
+    // the swapped-operand kernel with the L2 prefetch hint (run7: 85.0% of copy bandwidth at
+    // kvh 8 x group 4, vs 68.8% for the best plain tiles; 116 registers, no spills); otherwise
+    // the plain kernel, where padded rows beat the swizzled three-stage ring at d 128 and at
+    // d 256 the swizzled rows fit two blocks/SM.
+    let cfg = if shape.d_qk <= 128 && shape.group <= 8 {
+        MmaConfig {
+            keys_per_tile: 16,
+            stages: 2,
+            warps: 16,
+            min_blocks: 1,
+            swizzle: false,
+            l2_prefetch: true,
+            lazy_rescale: true,
+            swap_operands: true,
+        }
+    } else if shape.d_qk <= 128 {
         MmaConfig {
             keys_per_tile: 16,
             stages: 2,
@@ -511,6 +566,7 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
             swizzle: false,
             l2_prefetch: false,
             lazy_rescale: true,
+            swap_operands: false,
         }
     } else {
         MmaConfig {
@@ -521,6 +577,7 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
             swizzle: shape.d_qk.is_multiple_of(64),
             l2_prefetch: false,
             lazy_rescale: true,
+            swap_operands: false,
         }
     };
     let cfg = if cfg.validate(shape).is_ok() {
@@ -534,6 +591,7 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
             swizzle: false,
             l2_prefetch: false,
             lazy_rescale: true,
+            swap_operands: false,
         }
     };
     cfg.validate(shape).ok().map(|_| cfg)
@@ -547,7 +605,7 @@ pub(crate) fn mma_defines(
         ("D_QK", shape.d_qk),
         ("D_V", shape.d_v),
         ("GROUP", shape.group),
-        ("QT", MmaConfig::query_tokens(shape)),
+        ("QT", cfg.tokens_per_group(shape)),
         ("TK", cfg.keys_per_tile),
         ("STAGES", cfg.stages),
         ("WARPS", cfg.warps),
@@ -555,6 +613,7 @@ pub(crate) fn mma_defines(
         ("SWZ", cfg.swizzle as usize),
         ("PF", cfg.l2_prefetch as usize),
         ("LAZY", cfg.lazy_rescale as usize),
+        ("SWAP", cfg.swap_operands as usize),
         ("ROWP", cfg.row(shape.d_qk)),
     ]
 }
@@ -790,8 +849,8 @@ impl PagedAttention {
         rows.validate(&self.shape, layout, tables)?;
         let s = &gpu.stream;
         let nonempty = |v: &[i32]| if v.is_empty() { vec![0] } else { v.to_vec() };
-        let groups = if self.mma.is_some() {
-            let g = rows.groups(MmaConfig::query_tokens(&self.shape));
+        let groups = if let Some((_, cfg)) = &self.mma {
+            let g = rows.groups(cfg.tokens_per_group(&self.shape));
             let col = |f: fn(&QueryGroup) -> i32| nonempty(&g.iter().map(f).collect::<Vec<_>>());
             Some(DeviceGroups {
                 row: s.clone_htod(&col(|g| g.table_row))?,
@@ -800,6 +859,7 @@ impl PagedAttention {
                 q0: s.clone_htod(&col(|g| g.first_row))?,
                 qn: s.clone_htod(&col(|g| g.len))?,
                 count: g.len(),
+                max_len: g.iter().map(|g| g.len as usize).max().unwrap_or(0),
             })
         } else {
             None
@@ -901,6 +961,13 @@ impl PagedAttention {
         let mut b = gpu.stream.launch_builder(self.split_fn());
         let cfg = match (&self.kernel, &self.mma, &rows.groups) {
             (AttentionKernel::Mma, Some((_, mc)), Some(g)) => {
+                ensure(g.max_len <= mc.tokens_per_group(sh), || {
+                    format!(
+                        "rows were grouped for {} query tokens, the tiles take {}: upload again",
+                        g.max_len,
+                        mc.tokens_per_group(sh)
+                    )
+                })?;
                 b.arg(q)
                     .arg(kv)
                     .arg(&rows.tables)
@@ -1056,10 +1123,10 @@ fn load_mma(
 ) -> Result<CudaFunction, KernelError> {
     let f = gpu
         .functions(
-            "paged_attention_mma",
+            cfg.function_name(),
             MMA_SRC,
             &mma_defines(shape, cfg),
-            &["paged_attention_mma"],
+            &[cfg.function_name()],
         )?
         .remove(0);
     f.set_attribute(
@@ -1120,6 +1187,7 @@ fn check_case(
     shape: PagedAttentionShape,
     kind: CaseKind,
     kernel: AttentionKernel,
+    tiles: Option<MmaConfig>,
 ) -> Result<CheckResult, KernelError> {
     let mut r = rng(seed);
     let bs = shape.block_size;
@@ -1161,6 +1229,9 @@ fn check_case(
     let reference = paged_attention_cpu(&shape, &layout, &q, &kv, &tables, &rows, scale)?;
     let mut att = PagedAttention::new(gpu, shape)?;
     att.set_kernel(kernel)?;
+    if let Some(c) = tiles {
+        att.set_mma_tiles(gpu, c)?;
+    }
     let d_rows = att.upload(gpu, &layout, &tables, &rows)?;
     let (dq, dkv) = (gpu.stream.clone_htod(&q)?, gpu.stream.clone_htod(&kv)?);
     // Poison the output so unwritten elements show up as NaN.
@@ -1185,8 +1256,17 @@ fn check_case(
         .iter()
         .map(|v| v.to_f64())
         .collect();
+    let variant = match tiles {
+        Some(c) => format!(
+            " {} ({} keys, swizzle {})",
+            if c.swap_operands { "swapped" } else { "plain" },
+            c.keys_per_tile,
+            c.swizzle
+        ),
+        None => String::new(),
+    };
     let detail = format!(
-        "{kernel:?} kvh={} group={} d_qk={} d_v={} {what}",
+        "{kernel:?}{variant} kvh={} group={} d_qk={} d_v={} {what}",
         shape.num_kv_heads, shape.group, shape.d_qk, shape.d_v
     );
     Ok(CheckResult::from_stats(
@@ -1233,6 +1313,36 @@ fn check_write(gpu: &GpuContext, seed: u64) -> Result<CheckResult, KernelError> 
     ))
 }
 
+/// Tensor-core tiles checked against the CPU reference besides the default: the plain kernel
+/// with the default's tiles, and swapped operands with padded rows, 32-key tiles, and swizzled
+/// rows with a deeper ring (those that the shape takes).
+fn tile_variants(default: &MmaConfig) -> [MmaConfig; 4] {
+    let sw = MmaConfig {
+        swap_operands: true,
+        swizzle: false,
+        ..*default
+    };
+    [
+        MmaConfig {
+            swap_operands: false,
+            ..*default
+        },
+        sw,
+        MmaConfig {
+            keys_per_tile: 32,
+            warps: 4,
+            ..sw
+        },
+        MmaConfig {
+            swizzle: true,
+            stages: 3,
+            warps: 4,
+            lazy_rescale: false,
+            ..sw
+        },
+    ]
+}
+
 pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
     let shapes = [
         PagedAttentionShape {
@@ -1275,14 +1385,20 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
     ];
     let mut out = Vec::new();
     for (i, s) in shapes.iter().enumerate() {
-        let mut kernels = vec![AttentionKernel::Warp];
+        let mut kernels = vec![(AttentionKernel::Warp, None)];
         if tiled_tile(s).is_some() {
-            kernels.push(AttentionKernel::Tiled);
+            kernels.push((AttentionKernel::Tiled, None));
         }
-        if mma_config(s).is_some() {
-            kernels.push(AttentionKernel::Mma);
+        if let Some(cfg) = mma_config(s) {
+            kernels.push((AttentionKernel::Mma, None));
+            kernels.extend(
+                tile_variants(&cfg)
+                    .into_iter()
+                    .filter(|c| *c != cfg && c.validate_for(s))
+                    .map(|c| (AttentionKernel::Mma, Some(c))),
+            );
         }
-        for k in kernels {
+        for (k, tiles) in kernels {
             for (j, kind) in [CaseKind::Decode, CaseKind::Verify, CaseKind::Prefill]
                 .into_iter()
                 .enumerate()
@@ -1293,6 +1409,7 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
                     *s,
                     kind,
                     k,
+                    tiles,
                 )?);
             }
         }
@@ -1437,6 +1554,45 @@ mod tests {
             let row = MmaConfig::padded_row(d);
             assert!(row >= d && (row / 2) % 32 == 16, "d={d} row={row}");
         }
+    }
+
+    #[test]
+    fn swapped_tiles_hold_eight_query_rows_and_pad_rows_for_ldmatrix() {
+        let s = |group, d_qk, d_v| PagedAttentionShape {
+            num_kv_heads: 1,
+            group,
+            d_qk,
+            d_v,
+            block_size: 128,
+        };
+        let sw = mma_config(&s(4, 128, 128)).unwrap();
+        let base = MmaConfig {
+            swap_operands: false,
+            ..sw
+        };
+        // the default where it applies (d <= 128, at most 8 heads per KV head)
+        assert!(sw.swap_operands && sw.validate_for(&s(4, 128, 128)));
+        assert!(!mma_config(&s(16, 96, 64)).unwrap().swap_operands);
+        assert!(!mma_config(&s(2, 256, 256)).unwrap().swap_operands);
+        // 8 query rows: two decode-verify tokens of 4 heads (the plain kernel takes four)
+        assert_eq!(sw.tokens_per_group(&s(4, 128, 128)), 2);
+        assert_eq!(base.tokens_per_group(&s(4, 128, 128)), 4);
+        assert_eq!(sw.tokens_per_group(&s(8, 192, 128)), 1);
+        assert!(sw.validate_for(&s(8, 192, 128)));
+        assert!(!sw.validate_for(&s(16, 96, 64)));
+        assert_eq!(sw.function_name(), "paged_attention_mma_t");
+        // rows of an odd number of 16-byte chunks: 136 bf16 = 17 chunks at d 128
+        assert_eq!(sw.row(128), 136);
+        for d in [32usize, 64, 96, 128, 192, 256] {
+            let row = MmaConfig::padded_row_swapped(d);
+            assert!(row >= d && (row / 8) % 2 == 1, "d={d} row={row}");
+        }
+        // no shared Q rows: 16 warps x 2 stages x 16 keys x 136 x 2 B
+        assert_eq!(sw.smem_bytes(&s(4, 128, 128)), 16 * 2 * 16 * 136 * 2);
+        assert_eq!(
+            base.smem_bytes(&s(4, 128, 128)),
+            (16 + 16 * 2 * 16) * 160 * 2
+        );
     }
 
     #[test]

@@ -66,6 +66,21 @@ pub fn all_variants() -> Vec<Variant> {
                 crate::attention::MMA_SOURCE.to_string(),
                 crate::attention::mma_defines(&s, &cfg),
             ));
+            // the swapped-operand kernel, padded and swizzled rows
+            for swizzle in [false, true] {
+                let sw = crate::attention::MmaConfig {
+                    swap_operands: true,
+                    swizzle,
+                    ..cfg
+                };
+                if sw.validate_for(&s) {
+                    v.push((
+                        format!("paged_attention_mma_t swizzle {swizzle} {s:?}"),
+                        crate::attention::MMA_SOURCE.to_string(),
+                        crate::attention::mma_defines(&s, &sw),
+                    ));
+                }
+            }
         }
     }
     let sw = crate::swa::SwaShape {

@@ -41,6 +41,9 @@
 #ifndef LAZY
 #define LAZY 0
 #endif
+#ifndef SWAP
+#define SWAP 0
+#endif
 // 16-byte chunk `chunk` of shared row `row`: with SWZ the rows are unpadded and odd rows swap
 // the halves of each 128-byte group, so the two keys of one 8-lane access phase never share a
 // bank (needs D_QK % 64 == 0); without it, ROWP's padding does that.
@@ -96,6 +99,7 @@ __device__ __forceinline__ unsigned int u4_get(const uint4& v, int j) {
 #ifndef MINB
 #define MINB 1
 #endif
+#if !SWAP
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
 paged_attention_mma(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
                     const int* __restrict__ block_tables, int max_blocks_per_row,
@@ -307,3 +311,240 @@ paged_attention_mma(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         }
     }
 }
+#endif  // !SWAP
+
+// ---------------------------------------------------------------------------------------------
+// Swapped-operand variant (SWAP = 1, kernel paged_attention_mma_t): Sᵀ = K·Qᵀ with the keys as
+// the M = 16 rows of the MMA and up to 8 query rows ((token, head) pairs, QT = 8 / GROUP) as
+// N = 8. For decode with group 4 the plain kernel wastes 12 of 16 rows; here 4 of 8 columns,
+// so each 16-key step takes D_QK/16 + D_V/16 MMAs instead of twice that.
+//  * Q·Kᵀ: K's A fragments come straight from shared memory with ldmatrix.x4 (natural dim
+//    order); Q's B fragments (dims 2qd.. of query row g) live in registers for the whole split.
+//  * P·V: Oᵀ = Vᵀ·Pᵀ. Vᵀ's A fragments are ldmatrix.x4.trans of the same key rows (V is the
+//    first D_V dims of a row); Pᵀ's B fragment is the S accumulator of the same 8 keys
+//    transposed with movmatrix (two per 16 keys).
+//  * Shared rows: padded to an odd number of 16-byte chunks (ROWP = D_QK + 8) or, with SWZ,
+//    unpadded with chunk ^ (row & 7), so the 8 row addresses of one ldmatrix phase hit 8
+//    distinct bank groups.
+// The output accumulators are D_V / 4 floats per lane (32 at d 128, half the plain kernel's).
+#if SWAP
+__device__ __forceinline__ int swz8(int row, int chunk) { return SWZ ? (chunk ^ (row & 7)) : chunk; }
+
+__device__ __forceinline__ void ldsm_x4(unsigned int a, unsigned int& r0, unsigned int& r1, unsigned int& r2,
+                                        unsigned int& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(unsigned int a, unsigned int& r0, unsigned int& r1, unsigned int& r2,
+                                          unsigned int& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a));
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB)
+paged_attention_mma_t(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
+                      const int* __restrict__ block_tables, int max_blocks_per_row,
+                      const int* __restrict__ g_row, const int* __restrict__ g_start,
+                      const int* __restrict__ g_end, const int* __restrict__ g_q0,
+                      const int* __restrict__ g_qn, i64 block_stride, int row_stride, int num_kv_heads,
+                      int block_size, int tokens_per_split, int max_splits, float scale,
+                      float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* tiles = reinterpret_cast<bf16_t*>(smem_raw);  // [WARPS][STAGES][TK][ROWP]
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int gi = blockIdx.y;
+    const int kvh = blockIdx.z;
+    const int num_heads = num_kv_heads * GROUP;
+    const int split = blockIdx.x * WARPS + warp;
+    const int start = g_start[gi];
+    const int end = g_end[gi];
+    const int s0 = start + split * tokens_per_split;
+    if (split >= max_splits || s0 >= end) return;  // whole warp leaves together
+    const int qn = g_qn[gi];
+    const int q0 = g_q0[gi];
+    const int nrow = qn * GROUP;
+    const int s1 = min(end, s0 + tokens_per_split);
+    const int* table = block_tables + (i64)g_row[gi] * max_blocks_per_row;
+    const int g = lane >> 2, qd = lane & 3;
+    // This lane's S/O columns are query rows 2qd and 2qd + 1 (token r / GROUP, head r % GROUP);
+    // causal inside the group, padding columns see all keys (their Q is zero, never written).
+    const int r0 = 2 * qd, r1 = 2 * qd + 1;
+    const int lim0 = min(s1, r0 < nrow ? end - (qn - 1 - r0 / GROUP) : end);
+    const int lim1 = min(s1, r1 < nrow ? end - (qn - 1 - r1 / GROUP) : end);
+    const float sl2 = scale * LOG2E;
+
+    // Q's B fragments: query row g, dims 16k + 2qd (+1) and 16k + 8 + 2qd (+1).
+    unsigned int qf[D_QK / 16][2];
+    {
+        const bool live = g < nrow;
+        const bf16_t* qp = q + ((i64)(q0 + g / GROUP) * num_heads + kvh * GROUP + g % GROUP) * D_QK;
+#pragma unroll
+        for (int k = 0; k < D_QK / 16; ++k) {
+            qf[k][0] = live ? *reinterpret_cast<const unsigned int*>(qp + 16 * k + 2 * qd) : 0u;
+            qf[k][1] = live ? *reinterpret_cast<const unsigned int*>(qp + 16 * k + 8 + 2 * qd) : 0u;
+        }
+    }
+
+    const int blk0 = s0 / block_size;
+    const int nblk = (s1 - 1) / block_size - blk0 + 1;
+    const int my_phys = lane < nblk ? table[blk0 + lane] : 0;
+    const unsigned int tiles_s = smem_addr(tiles + (i64)warp * STAGES * TK * ROWP);
+    const bf16_t* kv_h = kv + kvh * D_QK;
+
+    auto issue = [&](int tile_start, int stage) {
+        const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
+#pragma unroll
+        for (int j = 0; j < (TK * NCH16 + 31) / 32; ++j) {
+            const int i = lane + 32 * j;
+            if (i < TK * NCH16) {
+                const int kk = i / NCH16, c = i % NCH16;
+                const int t = tile_start + kk;
+                const int rb = t / block_size - blk0;
+                int phys = __shfl_sync(0xffffffffu, my_phys, rb & 31);
+                const bf16_t* src = kv_h;
+                int bytes = 0;
+                if (t < s1) {
+                    if (rb >= 32) phys = table[t / block_size];
+                    src = kv_h + (i64)phys * block_stride + (i64)(t % block_size) * row_stride + c * 8;
+                    bytes = 16;
+                }
+                cp_async16(base + (kk * ROWP + swz8(kk, c) * 8) * 2, src, bytes);
+            }
+        }
+    };
+
+    // ldmatrix row addresses: lane provides row (lane & 7) of matrix (lane >> 3).
+    const int mi = lane >> 3, rr = lane & 7;
+    float o[D_V / 16][4];
+#pragma unroll
+    for (int b = 0; b < D_V / 16; ++b)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[b][e] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    const int ntiles = (s1 - s0 + TK - 1) / TK;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < ntiles) issue(s0 + st * TK, st);
+        asm volatile("cp.async.commit_group;");
+    }
+    for (int it = 0; it < ntiles; ++it) {
+        {
+            const int nt = it + STAGES - 1;
+            if (nt < ntiles) issue(s0 + nt * TK, nt % STAGES);
+            asm volatile("cp.async.commit_group;");
+        }
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
+        __syncwarp();
+        const unsigned int buf = tiles_s + (it % STAGES) * (TK * ROWP * 2);
+        const int tb = s0 + it * TK;
+
+        // Sᵀ = K · Qᵀ, 16 keys per step: s[ks] = keys (g, g + 8) x query rows (2qd, 2qd + 1).
+        float s[KSTEPS][4];
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[ks][e] = 0.f;
+            // matrices: (keys 0-7, dims 0-7), (keys 8-15, dims 0-7), (keys 0-7, 8-15), (keys 8-15, 8-15)
+            const int key = ks * 16 + rr + ((mi & 1) << 3);
+#pragma unroll
+            for (int k = 0; k < D_QK / 16; ++k) {
+                unsigned int a0, a1, a2, a3;
+                ldsm_x4(buf + (key * ROWP + swz8(key, 2 * k + (mi >> 1)) * 8) * 2, a0, a1, a2, a3);
+                mma16816(s[ks], a0, a1, a2, a3, qf[k][0], qf[k][1]);
+            }
+        }
+        // Online softmax per column (query row), log2 domain.
+        float mt0 = -INFINITY, mt1 = -INFINITY;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = tb + ks * 16 + g + ((e >> 1) << 3);
+                const bool vis = t < ((e & 1) ? lim1 : lim0);
+                s[ks][e] = vis ? s[ks][e] * sl2 : -INFINITY;
+            }
+            mt0 = fmaxf(mt0, fmaxf(s[ks][0], s[ks][2]));
+            mt1 = fmaxf(mt1, fmaxf(s[ks][1], s[ks][3]));
+        }
+#pragma unroll
+        for (int x = 4; x <= 16; x <<= 1) {
+            mt0 = fmaxf(mt0, __shfl_xor_sync(0xffffffffu, mt0, x));
+            mt1 = fmaxf(mt1, __shfl_xor_sync(0xffffffffu, mt1, x));
+        }
+        const float mn0 = fmaxf(m0, mt0), mn1 = fmaxf(m1, mt1);
+        const float b0 = mn0 == -INFINITY ? 0.f : mn0, b1 = mn1 == -INFINITY ? 0.f : mn1;
+        const float c0 = exp2f(m0 - b0), c1 = exp2f(m1 - b1);
+#if LAZY
+        const float mo0 = m0, mo1 = m1;
+#endif
+        m0 = mn0;
+        m1 = mn1;
+        float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            s[ks][0] = exp2f(s[ks][0] - b0);
+            s[ks][1] = exp2f(s[ks][1] - b1);
+            s[ks][2] = exp2f(s[ks][2] - b0);
+            s[ks][3] = exp2f(s[ks][3] - b1);
+            ps0 += s[ks][0] + s[ks][2];
+            ps1 += s[ks][1] + s[ks][3];
+        }
+        l0 = l0 * c0 + ps0;  // per-lane partial column sums; the 8 key lanes are summed at the end
+        l1 = l1 * c1 + ps1;
+#if LAZY
+        if (!__all_sync(0xffffffffu, mn0 == mo0 && mn1 == mo1))
+#endif
+        {
+#pragma unroll
+            for (int b = 0; b < D_V / 16; ++b) {
+                o[b][0] *= c0;
+                o[b][1] *= c1;
+                o[b][2] *= c0;
+                o[b][3] *= c1;
+            }
+        }
+        // Oᵀ += Vᵀ · Pᵀ, 16 keys per step.
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            const unsigned int pb0 = movm_t(pack_bf16x2(s[ks][0], s[ks][1]));
+            const unsigned int pb1 = movm_t(pack_bf16x2(s[ks][2], s[ks][3]));
+            // matrices (transposed): (keys 0-7, dv 0-7), (keys 0-7, dv 8-15), (keys 8-15, 0-7), (keys 8-15, 8-15)
+            const int key = ks * 16 + rr + ((mi >> 1) << 3);
+#pragma unroll
+            for (int b = 0; b < D_V / 16; ++b) {
+                unsigned int a0, a1, a2, a3;
+                ldsm_x4_t(buf + (key * ROWP + swz8(key, 2 * b + (mi & 1)) * 8) * 2, a0, a1, a2, a3);
+                mma16816(o[b], a0, a1, a2, a3, pb0, pb1);
+            }
+        }
+        __syncwarp();  // every lane is done with this stage before it is refilled
+    }
+    asm volatile("cp.async.wait_group 0;");
+#pragma unroll
+    for (int x = 4; x <= 16; x <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = 2 * qd + half;
+        if (r >= nrow) continue;
+        const i64 slot = ((i64)(q0 + r / GROUP) * num_heads + kvh * GROUP + r % GROUP) * max_splits + split;
+        if (g == 0) {
+            part_m[slot] = (half ? m1 : m0) * LN2;
+            part_l[slot] = half ? l1 : l0;
+        }
+        float* dst = part_acc + slot * D_V;
+#pragma unroll
+        for (int b = 0; b < D_V / 16; ++b) {
+            dst[16 * b + g] = o[b][half];
+            dst[16 * b + 8 + g] = o[b][2 + half];
+        }
+    }
+}
+#endif
