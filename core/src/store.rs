@@ -19,21 +19,17 @@ const NIL: u32 = u32::MAX;
 /// the misses of a run, few enough that the lines are still cached when used.
 const PREFETCH_AHEAD: usize = 8;
 
-/// One slot of [`KeyTable`]: a block key and its slab index (`NIL` = empty).
-#[derive(Clone, Copy, Debug)]
-struct Slot {
-    key: u64,
-    idx: u32,
-}
-
-const EMPTY: Slot = Slot { key: 0, idx: NIL };
-
 /// Block key → slab index, open addressing with linear probing and backward-shift deletion.
-/// Block keys are already uniform hashes; one multiply spreads them over the table. Unlike a
-/// general-purpose map it exposes where a key's probe starts, so runs can prefetch it.
+/// A slot is 8 bytes: the high 32 bits of the key's spread hash above the slab index + 1 (0 =
+/// empty), so eight slots share a cache line and the table of tens of millions of blocks is
+/// half the memory (and half the page faults while it grows). The probe start is the top bits
+/// of the same hash, so growing and backward-shift deletion work from the slots alone; a hash
+/// match is confirmed against the full key in the slab, which a hit then touches anyway. Block
+/// keys are already uniform hashes; one multiply spreads them over the table. Unlike a general-purpose map it
+/// exposes where a key's probe starts, so runs can prefetch it.
 #[derive(Clone, Debug)]
 struct KeyTable {
-    slots: Vec<Slot>,
+    slots: Vec<u64>,
     shift: u32,
     len: usize,
 }
@@ -43,7 +39,7 @@ impl KeyTable {
 
     fn new() -> Self {
         KeyTable {
-            slots: vec![EMPTY; 1 << Self::MIN_BITS],
+            slots: vec![0; 1 << Self::MIN_BITS],
             shift: 64 - Self::MIN_BITS,
             len: 0,
         }
@@ -55,9 +51,28 @@ impl KeyTable {
     fn mask(&self) -> usize {
         self.slots.len() - 1
     }
+    const HASH_BITS: u64 = !0xffff_ffff;
+    #[inline]
+    fn hash(key: u64) -> u64 {
+        key.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
     #[inline]
     fn home(&self, key: u64) -> usize {
-        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+        (Self::hash(key) >> self.shift) as usize
+    }
+    /// A full slot's probe start (the table never has more than 2^32 slots).
+    #[inline]
+    fn slot_home(&self, slot: u64) -> usize {
+        (slot >> self.shift) as usize
+    }
+    #[inline]
+    fn pack(key: u64, idx: u32) -> u64 {
+        (Self::hash(key) & Self::HASH_BITS) | (u64::from(idx) + 1)
+    }
+    /// The slab index a full slot holds.
+    #[inline]
+    fn idx(slot: u64) -> u32 {
+        (slot as u32).wrapping_sub(1)
     }
     /// Asks the CPU to start loading `key`'s first slot.
     #[inline]
@@ -74,39 +89,33 @@ impl KeyTable {
         #[cfg(not(target_arch = "x86_64"))]
         let _ = key;
     }
-    /// The slot holding `key`, or the empty slot where it would go.
+    /// The slot holding `key`, or the empty slot where it would go; `key_of` gives the full key
+    /// stored at a slab index.
     #[inline]
-    fn find(&self, key: u64) -> (usize, bool) {
+    fn find(&self, key: u64, key_of: impl Fn(u32) -> u64) -> (usize, bool) {
         let mask = self.mask();
+        let fp = Self::hash(key) & Self::HASH_BITS;
         let mut i = self.home(key);
         loop {
             let s = self.slots[i];
-            if s.idx == NIL {
+            if s == 0 {
                 return (i, false);
             }
-            if s.key == key {
+            if s & Self::HASH_BITS == fp && key_of(Self::idx(s)) == key {
                 return (i, true);
             }
             i = (i + 1) & mask;
         }
     }
     #[inline]
-    fn get(&self, key: BlockKey) -> Option<u32> {
-        match self.find(key.0) {
-            (i, true) => Some(self.slots[i].idx),
+    fn get(&self, key: BlockKey, key_of: impl Fn(u32) -> u64) -> Option<u32> {
+        match self.find(key.0, key_of) {
+            (i, true) => Some(Self::idx(self.slots[i])),
             _ => None,
         }
     }
-    #[inline]
-    fn contains_key(&self, key: BlockKey) -> bool {
-        self.find(key.0).1
-    }
-    /// Grows (at most 3/4 full keeps probes within a line or two) so one more key fits.
-    #[inline]
-    fn reserve_one(&mut self) {
-        self.reserve(1);
-    }
-    /// Grows so `more` keys fit (a run grows the table before its slots are prefetched).
+    /// Grows (at most 3/4 full keeps probes within a line) so `more` keys fit; a run grows the
+    /// table before its slots are prefetched.
     #[inline]
     fn reserve(&mut self, more: usize) {
         while (self.len + more) * 4 > self.slots.len() * 3 {
@@ -115,30 +124,32 @@ impl KeyTable {
     }
     #[cold]
     fn grow(&mut self) {
-        let doubled = vec![EMPTY; self.slots.len() * 2];
+        assert!(self.shift > 32, "key table past 2^32 slots");
+        // A zeroed allocation comes from fresh pages: no pass writing empty slots.
+        let doubled = vec![0; self.slots.len() * 2];
         let old = std::mem::replace(&mut self.slots, doubled);
         self.shift -= 1;
         let mask = self.mask();
-        for s in old.into_iter().filter(|s| s.idx != NIL) {
-            let mut i = self.home(s.key);
-            while self.slots[i].idx != NIL {
+        for s in old.into_iter().filter(|&s| s != 0) {
+            let mut i = self.slot_home(s);
+            while self.slots[i] != 0 {
                 i = (i + 1) & mask;
             }
             self.slots[i] = s;
         }
     }
-    /// Stores `idx` in the empty slot `at` found by [`Self::find`] after [`Self::reserve_one`].
+    /// Stores `idx` in the empty slot `at` found by [`Self::find`] after [`Self::reserve`].
     #[inline]
     fn fill(&mut self, at: usize, key: BlockKey, idx: u32) {
-        self.slots[at] = Slot { key: key.0, idx };
+        self.slots[at] = Self::pack(key.0, idx);
         self.len += 1;
     }
-    fn remove(&mut self, key: BlockKey) -> Option<u32> {
-        let (mut hole, found) = self.find(key.0);
+    fn remove(&mut self, key: BlockKey, key_of: impl Fn(u32) -> u64) -> Option<u32> {
+        let (mut hole, found) = self.find(key.0, &key_of);
         if !found {
             return None;
         }
-        let idx = self.slots[hole].idx;
+        let idx = Self::idx(self.slots[hole]);
         let mask = self.mask();
         let mut j = hole;
         // Backward shift: move later entries of the cluster into the hole when their probe
@@ -146,24 +157,28 @@ impl KeyTable {
         loop {
             j = (j + 1) & mask;
             let s = self.slots[j];
-            if s.idx == NIL {
+            if s == 0 {
                 break;
             }
-            let home = self.home(s.key);
+            let home = self.slot_home(s);
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
                 self.slots[hole] = s;
                 hole = j;
             }
         }
-        self.slots[hole] = EMPTY;
+        self.slots[hole] = 0;
         self.len -= 1;
         Some(idx)
     }
-    fn iter(&self) -> impl Iterator<Item = (BlockKey, u32)> + '_ {
-        self.slots
-            .iter()
-            .filter(|s| s.idx != NIL)
-            .map(|s| (BlockKey(s.key), s.idx))
+    /// (whether `key_of` gives a key matching the slot, slab index) of every stored key.
+    fn iter<'a>(
+        &'a self,
+        key_of: impl Fn(u32) -> u64 + 'a,
+    ) -> impl Iterator<Item = (bool, u32)> + 'a {
+        self.slots.iter().filter(|&&s| s != 0).map(move |&s| {
+            let idx = Self::idx(s);
+            (Self::pack(key_of(idx), idx) == s, idx)
+        })
     }
 }
 
@@ -470,7 +485,8 @@ impl KvStore {
                 self.map.prefetch(a.0);
             }
             self.stats.block_lookups += 1;
-            if self.map.contains_key(*k) {
+            let slab = &self.slab;
+            if self.map.find(k.0, |i| slab[i as usize].key.0).1 {
                 run += 1;
             } else {
                 break;
@@ -482,7 +498,8 @@ impl KvStore {
 
     pub fn contains(&mut self, now: Nanos, key: BlockKey) -> bool {
         self.advance(now);
-        self.map.contains_key(key)
+        let slab = &self.slab;
+        self.map.find(key.0, |i| slab[i as usize].key.0).1
     }
 
     /// Touches the blocks present and writes the missing ones (each of `block_bytes`).
@@ -508,7 +525,8 @@ impl KvStore {
         if self.cfg.capacity_bytes.is_none() {
             return self.put_unbounded(key, bytes, class);
         }
-        if let Some(idx) = self.map.get(key) {
+        let slab = &self.slab;
+        if let Some(idx) = self.map.get(key, |i| slab[i as usize].key.0) {
             self.touch_at_now(idx, class);
             return false;
         }
@@ -522,9 +540,10 @@ impl KvStore {
                 break;
             }
         }
+        self.map.reserve(1);
         let idx = self.slot_for(key, bytes, class);
-        self.map.reserve_one();
-        let (at, _) = self.map.find(key.0);
+        let slab = &self.slab;
+        let (at, _) = self.map.find(key.0, |i| slab[i as usize].key.0);
         self.map.fill(at, key, idx);
         self.link_new(idx, key, bytes);
         true
@@ -533,10 +552,11 @@ impl KvStore {
     /// [`Self::put_at_now`] without a capacity: nothing is evicted between the probe and the
     /// insert, so one hash probe does both (the unbounded store is the simulator's hot path).
     fn put_unbounded(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> bool {
-        self.map.reserve_one();
-        match self.map.find(key.0) {
+        self.map.reserve(1);
+        let slab = &self.slab;
+        match self.map.find(key.0, |i| slab[i as usize].key.0) {
             (at, true) => {
-                let idx = self.map.slots[at].idx;
+                let idx = KeyTable::idx(self.map.slots[at]);
                 self.touch_at_now(idx, class);
                 false
             }
@@ -670,7 +690,8 @@ impl KvStore {
         self.lru_unlink(idx);
         self.exp_unlink(idx);
         let e = self.slab[idx as usize];
-        self.map.remove(e.key);
+        let slab = &self.slab;
+        self.map.remove(e.key, |i| slab[i as usize].key.0);
         self.charge_nodes(e.key, e.bytes, false);
         self.stats.used_bytes -= e.bytes;
         self.stats.objects -= 1;
@@ -778,11 +799,15 @@ impl KvStore {
         // Each map entry names a listed slot holding its key: distinct keys name distinct
         // slots, and there are as many entries as listed slots, so every listed object is
         // found in the map under its own key.
-        for (key, idx) in self.map.iter() {
+        let slab = &self.slab;
+        for (matches, idx) in self
+            .map
+            .iter(|i| slab.get(i as usize).map_or(0, |e| e.key.0))
+        {
             let on_list = listed
                 .get(idx as usize / 64)
                 .is_some_and(|w| w & (1 << (idx % 64)) != 0);
-            if !on_list || self.slab[idx as usize].key != key {
+            if !on_list || !matches {
                 return Err("LRU entry missing from map".into());
             }
         }
@@ -831,13 +856,21 @@ mod tests {
         #[test]
         fn key_table_matches_a_hash_map(ops in proptest::collection::vec((any::<bool>(), 0u64..64), 0..400)) {
             let mut t = KeyTable::new();
-            let mut want = std::collections::HashMap::new();
-            for (n, (insert, x)) in ops.into_iter().enumerate() {
-                // Few distinct probe starts: keys differing only in high bits collide.
-                let key = BlockKey(x.wrapping_mul(0x0100_0000_0000_0001) % 97);
+            let mut want: std::collections::HashMap<BlockKey, u32> = std::collections::HashMap::new();
+            // Few distinct probe starts: keys differing only in high bits collide.
+            let key_at = |x: u64| if x.is_multiple_of(2) {
+                BlockKey(x.wrapping_mul(0x0100_0000_0000_0001) % 97)
+            } else {
+                BlockKey(x << 32 | 5)
+            };
+            // The "slab": the key inserted at index n is op n's key.
+            let slab: Vec<u64> = ops.iter().map(|&(_, x)| key_at(x).0).collect();
+            let key_of = |i: u32| slab[i as usize];
+            for (n, &(insert, x)) in ops.iter().enumerate() {
+                let key = key_at(x);
                 if insert {
-                    t.reserve_one();
-                    match t.find(key.0) {
+                    t.reserve(1);
+                    match t.find(key.0, key_of) {
                         (_, true) => {}
                         (at, false) => {
                             t.fill(at, key, n as u32);
@@ -845,14 +878,14 @@ mod tests {
                         }
                     }
                 } else {
-                    prop_assert_eq!(t.remove(key), want.remove(&key));
+                    prop_assert_eq!(t.remove(key, key_of), want.remove(&key));
                 }
                 prop_assert_eq!(t.len(), want.len());
             }
             for (k, v) in &want {
-                prop_assert_eq!(t.get(*k), Some(*v));
+                prop_assert_eq!(t.get(*k, key_of), Some(*v));
             }
-            prop_assert_eq!(t.iter().count(), want.len());
+            prop_assert_eq!(t.iter(key_of).filter(|&(ok, _)| ok).count(), want.len());
         }
     }
 

@@ -16,6 +16,7 @@ use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 use servelab_core::ConfigError;
 use servelab_core::engine::ConfidenceHistogram;
+use servelab_core::engine::dspark::CONFIDENCE_BINS;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -142,8 +143,10 @@ pub struct AcceptanceTable {
     /// values share a rank, so (rank, sequence, position) orders drafts exactly as the split
     /// kernel does (cumulative confidence descending, then sequence, then position).
     rank: Vec<u32>,
-    /// `rank >> rank_shift` is one of at most [`RANK_BUCKETS`] coarse buckets (see `split`).
-    rank_shift: u32,
+    /// The rank's coarse bucket (one of at most [`RANK_BUCKETS`], see `split`) per (profile,
+    /// position): a quarter of `rank`'s bytes, so the split's passes over a step's drafts stay
+    /// in L1 and only the cut's bucket reads `rank`.
+    bucket: Vec<u8>,
     bin: Vec<u8>,
 }
 
@@ -187,6 +190,7 @@ impl AcceptanceTable {
         while (r >> rank_shift) as usize >= RANK_BUCKETS {
             rank_shift += 1;
         }
+        let bucket = rank.iter().map(|&r| (r >> rank_shift) as u8).collect();
         let bin = cum_conf
             .iter()
             .map(|&c| ConfidenceHistogram::bin(c) as u8)
@@ -198,7 +202,7 @@ impl AcceptanceTable {
             cum_conf,
             cum_true,
             rank,
-            rank_shift,
+            bucket,
             bin,
         }
     }
@@ -257,12 +261,11 @@ impl AcceptanceTable {
         if budget == 0 {
             return;
         }
-        let sh = self.rank_shift;
         let mut count = [0u32; RANK_BUCKETS];
         for (&p, &m) in prof.iter().zip(max_drafts) {
             let m = (m as usize).min(d);
-            for &r in &self.rank[p as usize * d..p as usize * d + m] {
-                count[(r >> sh) as usize] += 1;
+            for &b in &self.bucket[p as usize * d..p as usize * d + m] {
+                count[b as usize] += 1;
             }
         }
         // The cut's bucket `cut`: fewer than `budget` drafts lie below it, at least that many
@@ -280,14 +283,13 @@ impl AcceptanceTable {
             let m = (m as usize).min(d);
             // Ranks never fall along a sequence (cumulative confidence never rises), so the
             // drafts below the cut are a prefix and those in the cut's bucket follow it.
-            for (i, &r) in self.rank[p as usize * d..p as usize * d + m]
-                .iter()
-                .enumerate()
-            {
-                let b = (r >> sh) as usize;
+            let base = p as usize * d;
+            for (i, &b) in self.bucket[base..base + m].iter().enumerate() {
+                let b = b as usize;
                 if b < cut {
                     *l += 1;
                 } else if b == cut {
+                    let r = self.rank[base + i];
                     keys.push(u64::from(r) << 32 | (s as u64) << 8 | i as u64);
                 } else {
                     break;
@@ -304,6 +306,34 @@ impl AcceptanceTable {
         for &k in &keys[..need] {
             lens[((k >> 8) & 0xff_ffff) as usize] += 1;
         }
+    }
+
+    /// Adds every sequence's first `max_drafts[s]` drafts (profiles `prof`) to `h`, which must
+    /// be empty. Consecutive sequences go to four interleaved lanes merged at the end: most
+    /// drafts land in the same few high-confidence bins, and a single accumulator per bin
+    /// would chain every add on the previous one through memory.
+    pub fn fill_histogram(&self, h: &mut ConfidenceHistogram, prof: &[u32], max_drafts: &[u32]) {
+        const LANES: usize = 4;
+        let mut count = [[0u32; CONFIDENCE_BINS]; LANES];
+        let mut sum = [[0.0f64; CONFIDENCE_BINS]; LANES];
+        let d = self.drafts;
+        for (s, (&p, &m)) in prof.iter().zip(max_drafts).enumerate() {
+            let base = p as usize * d;
+            let m = (m as usize).min(d);
+            let (c, t) = (&mut count[s % LANES], &mut sum[s % LANES]);
+            for (&b, &x) in self.bin[base..base + m]
+                .iter()
+                .zip(&self.cum_conf[base..base + m])
+            {
+                c[b as usize] += 1;
+                t[b as usize] += x;
+            }
+        }
+        for b in 0..CONFIDENCE_BINS {
+            h.count[b] += count.iter().map(|c| c[b]).sum::<u32>();
+            h.sum[b] += ((sum[0][b] + sum[1][b]) + sum[2][b]) + sum[3][b];
+        }
+        h.seqs += prof.len() as u32;
     }
 
     /// Adds a sequence's first `m` drafts to a confidence histogram.
@@ -360,6 +390,26 @@ mod tests {
     }
 
     proptest! {
+        /// The interleaved histogram fill counts exactly what per-sequence adds count, and its
+        /// sums differ only by rounding.
+        #[test]
+        fn fill_histogram_matches_per_sequence_adds(seed in 0u64..1000, prof in proptest::collection::vec(0u32..64, 0..90),
+                                                    maxes in proptest::collection::vec(0u32..7, 90)) {
+            let t = AcceptanceTable::new(&AcceptanceModel { profiles: 64, ..Default::default() }, 5, seed);
+            let n = prof.len();
+            let mut want = ConfidenceHistogram::default();
+            for (&p, &m) in prof.iter().zip(&maxes[..n]) {
+                t.add_to_histogram(&mut want, p, m);
+            }
+            let mut got = ConfidenceHistogram::default();
+            t.fill_histogram(&mut got, &prof, &maxes[..n]);
+            prop_assert_eq!(got.seqs, want.seqs);
+            prop_assert_eq!(&got.count, &want.count);
+            for (a, b) in got.sum.iter().zip(&want.sum) {
+                prop_assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0), "{} vs {}", a, b);
+            }
+        }
+
         #[test]
         fn fast_split_matches_the_kernel(seed in 0u64..1000, prof in proptest::collection::vec(0u32..16, 1..40),
                                          maxes in proptest::collection::vec(0u32..6, 40), budget in 0u32..250) {

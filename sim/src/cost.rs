@@ -156,9 +156,8 @@ impl CostModel {
                     verified: len,
                     accepted: acc,
                 };
-                self.table
-                    .add_to_histogram(hist, self.prof[i], self.maxes[i]);
             }
+            self.table.fill_histogram(hist, &self.prof, &self.maxes);
             let t = model.predict_ns(
                 n as u32,
                 kv,
