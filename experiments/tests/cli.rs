@@ -121,23 +121,21 @@ fn run_is_byte_identical_for_the_same_seed() {
     assert_ne!(table(&a), table(&c), "another seed gives other numbers");
 }
 
+/// Runs `servelab run` on SMALL with one substitution; returns stderr of the failed run.
+fn run_small_expecting_failure(name: &str, from: &str, to: &str) -> String {
+    let d = scratch(name);
+    let cfg = d.join("bad.toml");
+    assert!(SMALL.contains(from), "SMALL lacks {from}");
+    std::fs::write(&cfg, SMALL.replace(from, to)).unwrap();
+    let out = d.join("o");
+    let o = servelab(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(!o.status.success());
+    stderr(&o)
+}
+
 #[test]
 fn unknown_config_key_names_file_line_and_key() {
-    let d = scratch("badkey");
-    let cfg = d.join("bad.toml");
-    std::fs::write(
-        &cfg,
-        SMALL.replace("sessions = 10", "sessions = 10\nsesions = 3"),
-    )
-    .unwrap();
-    let o = servelab(&[
-        "run",
-        cfg.to_str().unwrap(),
-        "--out",
-        d.join("o").to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    let e = stderr(&o);
+    let e = run_small_expecting_failure("badkey", "sessions = 10", "sessions = 10\nsesions = 3");
     assert!(
         e.contains("bad.toml") && e.contains("sesions") && e.contains("line"),
         "{e}"
@@ -146,21 +144,11 @@ fn unknown_config_key_names_file_line_and_key() {
 
 #[test]
 fn impossible_parameter_is_rejected_by_name() {
-    let d = scratch("badparam");
-    let cfg = d.join("bad.toml");
-    std::fs::write(
-        &cfg,
-        SMALL.replace("session_rate_per_s = 1.0", "session_rate_per_s = -1.0"),
-    )
-    .unwrap();
-    let o = servelab(&[
-        "run",
-        cfg.to_str().unwrap(),
-        "--out",
-        d.join("o").to_str().unwrap(),
-    ]);
-    assert!(!o.status.success());
-    let e = stderr(&o);
+    let e = run_small_expecting_failure(
+        "badparam",
+        "session_rate_per_s = 1.0",
+        "session_rate_per_s = -1.0",
+    );
     assert!(e.contains("workload.chat.session_rate_per_s"), "{e}");
 }
 
@@ -217,60 +205,36 @@ fn replay_mooncake_hand_computed() {
          {\"timestamp\": 5, \"input_length\": 1500, \"output_length\": 10, \"hash_ids\": [1, 2, 4]}\n",
     )
     .unwrap();
-    let o = servelab(&[
-        "replay",
-        "--trace",
-        t.to_str().unwrap(),
-        "--format",
-        "mooncake",
-        "--json",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    // `servelab replay --format mooncake --json` with extra flags, parsed.
+    let replay = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "replay",
+            "--trace",
+            t.to_str().unwrap(),
+            "--format",
+            "mooncake",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let o = servelab(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str(stdout(&o).trim()).unwrap()
+    };
+    let v = replay(&[]);
     assert_eq!(v["requests"], 2);
     assert_eq!(v["input_tokens"], 2600);
     assert_eq!(v["hit_tokens"], 1024);
     assert_eq!(v["blocks"], 6);
     assert_eq!(v["block_hits"], 2);
     // At 128-token blocks the shared 1,024 tokens are 8 sub-blocks; the rest differ.
-    let o = servelab(&[
-        "replay",
-        "--trace",
-        t.to_str().unwrap(),
-        "--format",
-        "mooncake",
-        "--block-size",
-        "128",
-        "--json",
-    ]);
-    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let v = replay(&["--block-size", "128"]);
     assert_eq!(v["hit_tokens"], 1024);
     assert_eq!(v["block_hits"], 8);
     // A capacity of one 512-token block keeps only the last one written: nothing hits.
-    let o = servelab(&[
-        "replay",
-        "--trace",
-        t.to_str().unwrap(),
-        "--format",
-        "mooncake",
-        "--capacity-blocks",
-        "1",
-        "--json",
-    ]);
-    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let v = replay(&["--capacity-blocks", "1"]);
     assert_eq!(v["hit_tokens"], 0);
     // A TTL shorter than the 5 ms gap expires everything.
-    let o = servelab(&[
-        "replay",
-        "--trace",
-        t.to_str().unwrap(),
-        "--format",
-        "mooncake",
-        "--ttl",
-        "4ms",
-        "--json",
-    ]);
-    let v: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let v = replay(&["--ttl", "4ms"]);
     assert_eq!(v["hit_tokens"], 0);
     assert_eq!(v["policy"], "ttl");
 }
