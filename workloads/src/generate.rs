@@ -394,6 +394,45 @@ fn system_segment(tag: &str, k: u64) -> SegmentId {
     SegmentId(hash2(sub_seed(0, tag), k))
 }
 
+/// What every session starts with: its id, its own RNG stream, its system prompt (pushed as the
+/// first segment of its first epoch) and its number of turns.
+struct SessionStart {
+    session: u64,
+    rng: ChaCha8Rng,
+    sys: usize,
+    turns: u32,
+    epoch: Epoch,
+}
+
+impl SessionStart {
+    fn new(
+        seed: u64,
+        index: usize,
+        next_session: &mut u64,
+        turns: &Dist,
+        system_tag: &str,
+        sys_len: &[u32],
+        bs: u32,
+    ) -> Self {
+        let session = *next_session;
+        *next_session += 1;
+        let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, index as u64));
+        let sys = rng.random_range(0..sys_len.len() as u32) as usize;
+        let turns = turns.tokens(&mut rng, 1);
+        let mut epoch = Epoch::new(bs);
+        epoch
+            .chain
+            .push(system_segment(system_tag, sys as u64), sys_len[sys]);
+        SessionStart {
+            session,
+            rng,
+            sys,
+            turns,
+            epoch,
+        }
+    }
+}
+
 fn gen_agent(
     c: &AgentConfig,
     seed: u64,
@@ -405,15 +444,21 @@ fn gen_agent(
     let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
     let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     for (si, &start) in starts.iter().enumerate() {
-        let session = *next_session;
-        *next_session += 1;
-        let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, si as u64));
-        let sys = rng.random_range(0..c.system_prompts) as usize;
-        let turns = c.turns.tokens(&mut rng, 1);
-        let mut epoch = Epoch::new(bs);
-        epoch
-            .chain
-            .push(system_segment("agent.system", sys as u64), sys_len[sys]);
+        let SessionStart {
+            session,
+            mut rng,
+            sys,
+            turns,
+            mut epoch,
+        } = SessionStart::new(
+            seed,
+            si,
+            next_session,
+            &c.turns,
+            "agent.system",
+            &sys_len,
+            bs,
+        );
         epoch
             .chain
             .push(fresh(&mut rng), c.task_tokens.tokens(&mut rng, 1));
@@ -460,15 +505,21 @@ fn gen_chat(
     let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
     let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     for (si, &start) in starts.iter().enumerate() {
-        let session = *next_session;
-        *next_session += 1;
-        let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, si as u64));
-        let sys = rng.random_range(0..c.system_prompts) as usize;
-        let turns = c.turns.tokens(&mut rng, 1);
-        let mut epoch = Epoch::new(bs);
-        epoch
-            .chain
-            .push(system_segment("chat.system", sys as u64), sys_len[sys]);
+        let SessionStart {
+            session,
+            mut rng,
+            turns,
+            mut epoch,
+            ..
+        } = SessionStart::new(
+            seed,
+            si,
+            next_session,
+            &c.turns,
+            "chat.system",
+            &sys_len,
+            bs,
+        );
         let mut t = start;
         for turn in 0..turns {
             epoch

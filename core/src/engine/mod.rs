@@ -24,3 +24,25 @@ pub use plan::{
 pub use prefill::{ChunkPolicy, PrefillCostModel, PrefillEngine, PrefillJob};
 pub use prefill_lb::{PrefillBalancer, PrefillLbPolicy, QueuedPrefill};
 pub use vote::{GroupVote, VoteMode};
+
+/// The MoE part of a cost model, shared by the prefill and decode forms: the share of step time
+/// spent in MoE layers and the imbalance at which the coefficients were measured.
+pub(crate) fn validate_moe(
+    field: &str,
+    moe_share: f64,
+    reference_imbalance: f64,
+) -> Result<(), crate::ConfigError> {
+    if !(0.0..=1.0).contains(&moe_share) {
+        return Err(crate::ConfigError::invalid(
+            format!("{field}.moe_share"),
+            "must lie in [0, 1]",
+        ));
+    }
+    if !(reference_imbalance >= 1.0 && reference_imbalance.is_finite()) {
+        return Err(crate::ConfigError::invalid(
+            format!("{field}.reference_imbalance"),
+            "must be at least 1",
+        ));
+    }
+    Ok(())
+}

@@ -109,19 +109,7 @@ impl PrefillCostModel {
                 "must be positive",
             ));
         }
-        if !(0.0..=1.0).contains(&self.moe_share) {
-            return Err(ConfigError::invalid(
-                format!("{field}.moe_share"),
-                "must lie in [0, 1]",
-            ));
-        }
-        if !(self.reference_imbalance >= 1.0 && self.reference_imbalance.is_finite()) {
-            return Err(ConfigError::invalid(
-                format!("{field}.reference_imbalance"),
-                "must be at least 1",
-            ));
-        }
-        Ok(())
+        super::validate_moe(field, self.moe_share, self.reference_imbalance)
     }
 }
 
