@@ -7,7 +7,7 @@
 //! inside one slab, so nothing allocates per lookup. With tens of millions of blocks every probe
 //! is a cache miss, so runs of keys prefetch their slots a few keys ahead.
 
-use crate::content::BlockKey;
+use crate::content::{BlockKey, mix64};
 use crate::error::ConfigError;
 use crate::ids::StorageNodeId;
 use crate::request::TrafficClass;
@@ -171,6 +171,7 @@ impl KeyTable {
         Some(idx)
     }
     /// (whether `key_of` gives a key matching the slot, slab index) of every stored key.
+    #[cfg(test)]
     fn iter<'a>(
         &'a self,
         key_of: impl Fn(u32) -> u64 + 'a,
@@ -769,6 +770,8 @@ impl KvStore {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut count = 0u64;
         let mut bytes = 0u64;
+        // Σ mix64 of the map slot each listed object should have (fingerprint and index).
+        let mut want_slots = 0u64;
         let mut i = self.lru.head;
         let mut prev = NIL;
         // Slots on the LRU list; the map is then checked against them with one sequential pass
@@ -790,26 +793,33 @@ impl KvStore {
             }
             count += 1;
             bytes += e.bytes;
+            want_slots = want_slots.wrapping_add(mix64(KeyTable::pack(e.key.0, i)));
             prev = i;
             i = e.lru_next;
         }
         if count != self.map.len() as u64 || count != self.stats.objects {
             return Err(format!("{count} objects in LRU, {} in map", self.map.len()));
         }
-        // Each map entry names a listed slot holding its key: distinct keys name distinct
-        // slots, and there are as many entries as listed slots, so every listed object is
-        // found in the map under its own key.
-        let slab = &self.slab;
-        for (matches, idx) in self
-            .map
-            .iter(|i| slab.get(i as usize).map_or(0, |e| e.key.0))
-        {
-            let on_list = listed
-                .get(idx as usize / 64)
-                .is_some_and(|w| w & (1 << (idx % 64)) != 0);
-            if !on_list || !matches {
+        // The map names each listed slot exactly once (as many entries as listed slots, each
+        // naming a distinct listed slot), and its entries carry the fingerprints of the listed
+        // keys: the sums of mix64 over the slots the map holds and over the slots the list
+        // implies agree (a wrong fingerprint changes the sum but for a 2^-64 chance). One
+        // sequential pass over the map, reading nothing else: checking each entry's key in the
+        // slab instead costs a cache and TLB miss per object on a GiB-sized slab.
+        let mut named = vec![0u64; listed.len()];
+        let mut have_slots = 0u64;
+        for &slot in self.map.slots.iter().filter(|&&s| s != 0) {
+            let idx = KeyTable::idx(slot);
+            let (w, bit) = (idx as usize / 64, 1u64 << (idx % 64));
+            let on_list = listed.get(w).is_some_and(|l| l & bit != 0);
+            if !on_list || named[w] & bit != 0 {
                 return Err("LRU entry missing from map".into());
             }
+            named[w] |= bit;
+            have_slots = have_slots.wrapping_add(mix64(slot));
+        }
+        if have_slots != want_slots {
+            return Err("map entry does not match its object's key".into());
         }
         if bytes != self.stats.used_bytes {
             return Err(format!(
@@ -829,16 +839,52 @@ impl KvStore {
         {
             return Err("node accounting drifted".into());
         }
-        for c in 0..3 {
-            let mut i = self.expiry[c].head;
-            let mut last = Nanos::ZERO;
-            while i != NIL {
+        // Expiry lists: one pass over the listed slots in slab order checks every link
+        // (successor in order, of the same class, linking back; ends at the list's head and
+        // tail), so every list walked from its head is in order. Its reads of successors are
+        // independent of each other, unlike a walk of the list, which waits on one cache miss
+        // per object.
+        let is_listed = |i: u32| {
+            listed
+                .get(i as usize / 64)
+                .is_some_and(|w| w & (1 << (i % 64)) != 0)
+        };
+        for (w, &word) in listed.iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let i = (w * 64) as u32 + bits.trailing_zeros();
+                bits &= bits - 1;
                 let e = &self.slab[i as usize];
-                if e.expires < last {
+                let c = e.class as usize;
+                if c >= self.expiry.len() {
+                    return Err(format!("object {:?} has no expiry class", e.key));
+                }
+                if e.exp_prev == NIL && self.expiry[c].head != i {
+                    return Err("expiry list has two heads".into());
+                }
+                if e.exp_next == NIL {
+                    if self.expiry[c].tail != i {
+                        return Err("expiry list has two tails".into());
+                    }
+                    continue;
+                }
+                if !is_listed(e.exp_next) {
+                    return Err("expiry link to an object not stored".into());
+                }
+                let n = &self.slab[e.exp_next as usize];
+                if n.exp_prev != i || n.class != e.class {
+                    return Err("broken expiry back link".into());
+                }
+                if n.expires < e.expires {
                     return Err("expiry list out of order".into());
                 }
-                last = e.expires;
-                i = e.exp_next;
+            }
+        }
+        for list in &self.expiry {
+            if list.head != NIL
+                && (!is_listed(list.head) || self.slab[list.head as usize].exp_prev != NIL)
+            {
+                return Err("expiry list head is not a stored object".into());
             }
         }
         Ok(())
@@ -887,6 +933,39 @@ mod tests {
             }
             prop_assert_eq!(t.iter(key_of).filter(|&(ok, _)| ok).count(), want.len());
         }
+    }
+
+    /// Corrupting a map entry (a fingerprint, or the object it names) or an expiry link is
+    /// caught by the end-of-run check.
+    #[test]
+    fn check_catches_corruption() {
+        let fresh = || {
+            let mut s = KvStore::new(StoreConfig::default(), 100).unwrap();
+            s.touch_or_insert(Nanos(1), &keys(0..50), TrafficClass::Agent);
+            s.touch_or_insert(Nanos(2), &keys(10..20), TrafficClass::Chat);
+            s.check_invariants().unwrap();
+            s
+        };
+        let first = |s: &KvStore| s.map.slots.iter().position(|&x| x != 0).unwrap();
+        let mut s = fresh();
+        let at = first(&s);
+        s.map.slots[at] ^= 1 << 40;
+        assert!(s.check_invariants().is_err(), "fingerprint");
+        let mut s = fresh();
+        let (a, b) = {
+            let mut full = s.map.slots.iter().enumerate().filter(|&(_, &x)| x != 0);
+            (full.next().unwrap().0, full.next().unwrap().0)
+        };
+        let (x, y) = (s.map.slots[a], s.map.slots[b]);
+        s.map.slots[a] = (x & KeyTable::HASH_BITS) | (y & !KeyTable::HASH_BITS);
+        assert!(
+            s.check_invariants().is_err(),
+            "two entries naming one object"
+        );
+        let mut s = fresh();
+        let h = s.expiry[TrafficClass::Agent as usize].head as usize;
+        s.slab[h].expires = Nanos::MAX;
+        assert!(s.check_invariants().is_err(), "expiry order");
     }
 
     fn k(i: u64) -> BlockKey {

@@ -386,3 +386,38 @@ fn hw_refit_reproduces_the_committed_conformance_analysis() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("/nonexistent.json"), "{}", stderr(&o));
 }
+
+#[test]
+fn hw_conformance_replays_a_committed_record_and_takes_a_clock() {
+    // No GPU needed: the committed H200 run-8 record (virtual clock, from before step ends were
+    // recorded) replays at its recorded times with every plan identical.
+    let d = scratch("conformance");
+    let record = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../hw/measurements/2026-11-29-nvidia-h200-run8-conformance-record.json"
+    );
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/conformance.toml");
+    let o = servelab(&[
+        "hw",
+        "conformance",
+        config,
+        "--record",
+        record,
+        "--clock",
+        "virtual",
+        "--out",
+        d.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains(" 0 mismatched"), "{}", stdout(&o));
+    let report = std::fs::read_to_string(d.join("conformance.md")).unwrap();
+    assert!(report.contains("Clock: **virtual**"), "{report}");
+    assert!(report.contains("**0 mismatched**"), "{report}");
+    let o = servelab(&["hw", "conformance", config, "--clock", "sundial"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("sundial") && stderr(&o).contains("wall"),
+        "{}",
+        stderr(&o)
+    );
+}

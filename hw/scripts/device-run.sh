@@ -3,8 +3,10 @@
 # Writes (at most 8 files, the device tool's limit) to $OUT (or ./gpu-out when unset):
 # env.txt, tests.log, test-report.md, backend-check.md, h200-measured.toml, conformance.md,
 # speed.md and json.tgz (test-report.json, backend-check.json, h200-measured.sweep.json,
-# conformance.json, conformance-record.json, speed.json).
-# SKIP_TESTS=1 / SKIP_CHECK=1 / SKIP_CALIBRATE=1 / SKIP_CONFORMANCE=1 / SKIP_SPEED=1 skip those parts.
+# conformance.json, conformance-record.json, speed.json, and the wall-clock conformance run:
+# conformance-wall.md, conformance-wall.json, conformance-wall-record.json).
+# SKIP_TESTS=1 / SKIP_CHECK=1 / SKIP_CALIBRATE=1 / SKIP_CONFORMANCE=1 / SKIP_WALL=1 /
+# SKIP_SPEED=1 skip those parts.
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -49,18 +51,32 @@ if [[ "${SKIP_CHECK:-0}" != 1 ]]; then
 fi
 # Calibrate first: conformance predicts with the profile measured here, on this build.
 if [[ "${SKIP_CALIBRATE:-0}" != 1 ]]; then
-  timeout 400 "$b/servelab-gpu" calibrate --out "$out/h200-measured.toml" \
+  wl=(); [[ -f experiments/configs/conformance.toml ]] && wl=(--workload experiments/configs/conformance.toml)
+  timeout 400 "$b/servelab-gpu" calibrate --out "$out/h200-measured.toml" "${wl[@]}" \
     --date "$date_utc" --commit "$commit" --driver "$driver" > /dev/null || status=1
   grep -E "^# \|relative|^\[|^[a-z_]+ =" "$out/h200-measured.toml" 2>/dev/null
 fi
 if [[ "${SKIP_CONFORMANCE:-0}" != 1 && -f experiments/configs/conformance.toml ]]; then
   prof=(); [[ -f "$out/h200-measured.toml" ]] && prof=(--profile "$out/h200-measured.toml")
+  # The step-time comparison on the virtual clock (time moves by the CUDA-event durations, as
+  # in the calibration just before), then the same workload on the wall clock (the engine loop
+  # with a device thread): its record replays exactly too, its timing carries the host's noise.
   timeout 300 "$b/servelab-gpu" conformance experiments/configs/conformance.toml "${prof[@]}" \
-    --out "$out" --date "$date_utc" --commit "$commit" || status=1
+    --clock virtual --out "$out" --date "$date_utc" --commit "$commit" || status=1
+  if [[ "${SKIP_WALL:-0}" != 1 ]]; then
+    mkdir -p "$out/wall"
+    timeout 300 "$b/servelab-gpu" conformance experiments/configs/conformance.toml "${prof[@]}" \
+      --clock wall --out "$out/wall" --date "$date_utc" --commit "$commit" > /dev/null || status=1
+    mv "$out/wall/conformance.md" "$out/conformance-wall.md" 2>/dev/null
+    mv "$out/wall/conformance.json" "$out/conformance-wall.json" 2>/dev/null
+    mv "$out/wall/conformance-record.json" "$out/conformance-wall-record.json" 2>/dev/null
+    rmdir "$out/wall" 2>/dev/null
+    sed -n '/^Clock/,/^## 3/p' "$out/conformance-wall.md" 2>/dev/null | grep -E "^Clock|^\| (all|prefill|decode)"
+  fi
 fi
 if [[ "${SKIP_SPEED:-0}" != 1 ]]; then
   timeout 300 "$b/servelab-gpu" speed --out "$out" --date "$date_utc" "$@" > /dev/null || status=1
   cat "$out/speed.md" 2>/dev/null
 fi
-(cd "$out" && tar czf json.tgz --remove-files $(ls *.json 2>/dev/null) 2>/dev/null)
+(cd "$out" && tar czf json.tgz --remove-files $(ls *.json conformance-wall.md 2>/dev/null) 2>/dev/null)
 exit $status

@@ -7,7 +7,13 @@
 //! step; see
 //! [`PrefillCostModel`]). `n_ramp` is not linear: each candidate (0 = no ramp, and every swept
 //! chunk size) is fitted and the one with the smallest weighted residual kept. Decode:
-//! `t = base + c_seq·B + c_kv·ΣKV + c_tok·N + c_sq·N²` (B sequences, N = query tokens).
+//! `t = base + c_seq·B + c_kv·ΣKV + c_tok·N + c_sq·N² + c_exp·E(1 − (1 − k/E)^N)` (B sequences,
+//! N = query tokens, the last term the experts N tokens activate on an E-expert top-k model).
+//!
+//! Besides the grid, the fit takes the steps of a calibration workload (the conformance config
+//! run on the GPU under another seed): isolated grid steps after a reset and the same shapes
+//! inside a running engine differ by more than the target error (small hit-suffix prefill
+//! steps ran 20–30 % faster in the engine on the H200, run 8), so the fit sees both.
 //! Residuals are relative (each point weighs 1/t), so short and long steps count alike; a
 //! coefficient the fit makes negative is pinned at 0 and the rest refitted (non-negative least
 //! squares by elimination).
@@ -17,10 +23,11 @@ use std::time::Instant;
 use servelab_core::engine::plan::{
     DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk, PrefillPlan, StepPlan, StepReport,
 };
-use servelab_core::engine::{DecodeTimeModel, PrefillCostModel};
+use servelab_core::engine::{ActiveExpertTerm, DecodeTimeModel, PrefillCostModel};
 use servelab_core::ids::{EngineId, RequestId};
 
 use crate::backend::{BackendError, CudaBackend};
+use crate::conformance::{ConformanceError, RecordedStep};
 
 /// What to sweep.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -33,6 +40,17 @@ pub struct CalibrateConfig {
     /// Query tokens per sequence (1 + verified drafts).
     pub decode_query: Vec<usize>,
     pub reps: usize,
+}
+
+/// A workload whose executed steps join the fit: a conformance config and the seed to run it
+/// under (not the conformance run's own seed, so the conformance steps stay held out).
+#[derive(Debug, Clone)]
+pub struct CalibrationWorkload {
+    pub config_text: String,
+    pub origin: String,
+    /// The profile the workload's policies plan with (TOML text).
+    pub profile_text: String,
+    pub seed: u64,
 }
 
 impl CalibrateConfig {
@@ -90,6 +108,44 @@ pub struct DecodePoint {
 pub struct Sweep {
     pub prefill: Vec<PrefillPoint>,
     pub decode: Vec<DecodePoint>,
+    /// Routed experts and picks per token of the swept model (0: no active-expert term; sweeps
+    /// saved before it existed).
+    #[serde(default)]
+    pub experts: usize,
+    #[serde(default)]
+    pub top_k: usize,
+    /// Seed of the calibration workload, when one ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload_seed: Option<u64>,
+    /// Its executed steps, measured like the grid (CUDA events), each fitted as one point.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub workload: Vec<RecordedStep>,
+}
+
+/// Runs `w` on the GPU through the conformance engine loop, on a backend built from the
+/// config's `[backend]` section (as the conformance run builds it), and adds its steps to
+/// `sweep`. Call it after the grid: the grid's backend should be dropped first to free HBM.
+pub fn add_workload(
+    gpu: std::sync::Arc<servelab_kernels::GpuContext>,
+    sweep: &mut Sweep,
+    w: &CalibrationWorkload,
+) -> Result<(), ConformanceError> {
+    let bad = |e: String| servelab_core::ConfigError::invalid(&w.origin, e.trim_end().to_string());
+    let mut doc: toml::Table = toml::from_str(&w.config_text).map_err(|e| bad(e.to_string()))?;
+    let exp = doc
+        .entry("experiment")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let toml::Value::Table(t) = exp else {
+        return Err(bad("[experiment] is not a table".into()).into());
+    };
+    t.insert("seed".into(), toml::Value::Integer(w.seed as i64));
+    let text = toml::to_string(&doc).map_err(|e| bad(e.to_string()))?;
+    let file = crate::conformance::ConformanceFile::parse(&text, &w.origin)?;
+    let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+    let rec = crate::conformance::run_on_gpu(&mut b, &text, &w.origin, &w.profile_text, "", "")?;
+    sweep.workload_seed = Some(w.seed);
+    sweep.workload = rec.run.steps;
+    Ok(())
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -206,7 +262,14 @@ pub fn sweep(
             }
         }
     }
-    Ok(Sweep { prefill, decode })
+    Ok(Sweep {
+        prefill,
+        decode,
+        experts: m.experts,
+        top_k: m.top_k,
+        workload_seed: None,
+        workload: Vec::new(),
+    })
 }
 
 /// Weighted non-negative least squares: minimises Σ ((x_i·c − y_i) / y_i)² over c ≥ 0 by
@@ -303,31 +366,79 @@ fn solve_weighted(x: &[Vec<f64>], y: &[f64], idx: &[usize]) -> Vec<f64> {
 pub struct Fit {
     pub prefill: PrefillCostModel,
     pub decode: DecodeTimeModel,
-    /// (measured ns, predicted ns) per point, in sweep order.
+    /// (measured ns, predicted ns) per point: the grid in sweep order, then the workload's
+    /// steps in run order.
     pub prefill_residuals: Vec<(f64, f64)>,
     pub decode_residuals: Vec<(f64, f64)>,
     pub swap_in_bytes_per_s: f64,
     pub sync_gap_ns: f64,
 }
 
-/// Columns: base, a, b, x (the coefficients of [`PrefillCostModel`] at the ramp `ramp_tokens`).
-fn prefill_features(p: &PrefillPoint, enc: f64, dec: f64, ramp_tokens: f64) -> Vec<f64> {
-    let (n, pre, r) = (
-        p.new_tokens as f64,
-        p.prefix_tokens as f64,
-        p.decoder_tokens as f64,
-    );
+/// One chunk of a prefill step, as the fit sees it.
+#[derive(Clone, Copy, Debug)]
+struct ChunkShape {
+    new_tokens: f64,
+    prefix_tokens: f64,
+    decoder_tokens: f64,
+    encoder_layers: f64,
+    decoder_layers: f64,
+}
+
+/// Columns: base, a, b, x (the coefficients of [`PrefillCostModel`] at the ramp `ramp_tokens`),
+/// summed over the step's chunks; the ramp follows the step's new tokens, as in
+/// [`PrefillCostModel::step_ns`].
+fn prefill_features(chunks: &[ChunkShape], ramp_tokens: f64) -> Vec<f64> {
+    let rows: f64 = chunks.iter().map(|c| c.new_tokens).sum();
     let ramp = if ramp_tokens > 0.0 {
-        (n / ramp_tokens).min(1.0)
+        (rows / ramp_tokens).min(1.0)
     } else {
         1.0
     };
-    vec![
-        1.0,
-        enc * n + dec * r,
-        enc * ramp * n * (pre + n / 2.0) + dec * r * r / 2.0,
-        dec * r * (pre + n),
-    ]
+    let mut f = vec![1.0, 0.0, 0.0, 0.0];
+    for c in chunks {
+        let (n, pre, r) = (c.new_tokens, c.prefix_tokens, c.decoder_tokens);
+        let (enc, dec) = (c.encoder_layers, c.decoder_layers);
+        f[1] += enc * n + dec * r;
+        f[2] += enc * ramp * n * (pre + n / 2.0) + dec * r * r / 2.0;
+        f[3] += dec * r * (pre + n);
+    }
+    f
+}
+
+/// Every prefill step the fit sees (grid points, then workload steps) and its duration.
+fn prefill_steps(sweep: &Sweep, enc: f64, dec: f64) -> (Vec<Vec<ChunkShape>>, Vec<f64>) {
+    let mut shapes = Vec::new();
+    let mut y = Vec::new();
+    for p in &sweep.prefill {
+        shapes.push(vec![ChunkShape {
+            new_tokens: p.new_tokens as f64,
+            prefix_tokens: p.prefix_tokens as f64,
+            decoder_tokens: p.decoder_tokens as f64,
+            encoder_layers: enc,
+            decoder_layers: dec,
+        }]);
+        y.push(p.median_ns);
+    }
+    for s in &sweep.workload {
+        if let StepPlan::Prefill(p) = &s.plan
+            && !p.chunks.is_empty()
+        {
+            shapes.push(
+                p.chunks
+                    .iter()
+                    .map(|c| ChunkShape {
+                        new_tokens: f64::from(c.new_tokens),
+                        prefix_tokens: f64::from(c.prefix_tokens),
+                        decoder_tokens: f64::from(c.decoder_tokens),
+                        encoder_layers: f64::from(c.new_token_layers),
+                        decoder_layers: f64::from(c.decoder_layers),
+                    })
+                    .collect(),
+            );
+            y.push(s.duration_ns.max(1) as f64);
+        }
+    }
+    (shapes, y)
 }
 
 /// Σ ((predicted − measured) / measured)²: what the weighted fit minimises.
@@ -341,10 +452,50 @@ fn weighted_sse(x: &[Vec<f64>], y: &[f64], c: &[f64]) -> f64 {
         .sum()
 }
 
-fn decode_features(d: &DecodePoint) -> Vec<f64> {
-    let b = d.batch as f64;
-    let n = b * d.query_tokens as f64;
-    vec![1.0, b, b * d.kv_tokens as f64, n, n * n]
+/// Columns: base, c_seq, c_kv, c_tok, c_sq, c_exp, c_maxkv for a step of `b` sequences, `kv`
+/// KV tokens (the longest sequence `max_kv`) and `n` query tokens.
+fn decode_features(
+    b: f64,
+    kv: f64,
+    max_kv: f64,
+    n: u32,
+    experts: &Option<ActiveExpertTerm>,
+) -> Vec<f64> {
+    let q = f64::from(n);
+    let active = experts.as_ref().map_or(0.0, |a| a.expected_active(n));
+    vec![1.0, b, kv, q, q * q, active, max_kv]
+}
+
+/// Every decode step the fit sees (grid points, then workload steps) and its duration.
+fn decode_steps(sweep: &Sweep, experts: &Option<ActiveExpertTerm>) -> (Vec<Vec<f64>>, Vec<f64>) {
+    let mut x = Vec::new();
+    let mut y = Vec::new();
+    for d in &sweep.decode {
+        let b = d.batch as f64;
+        let n = (d.batch * d.query_tokens) as u32;
+        let kv = d.kv_tokens as f64;
+        x.push(decode_features(b, b * kv, kv, n, experts));
+        y.push(d.median_ns);
+    }
+    for s in &sweep.workload {
+        if let StepPlan::Decode(p) = &s.plan
+            && !p.seqs.is_empty()
+        {
+            let kv: f64 = p.seqs.iter().map(|q| f64::from(q.kv_tokens)).sum();
+            let max_kv = p.seqs.iter().map(|q| q.kv_tokens).max().unwrap_or(0);
+            let verified: u32 = s.seqs.iter().map(|o| u32::from(o.verified)).sum();
+            let n = p.seqs.len() as u32 + verified;
+            x.push(decode_features(
+                p.seqs.len() as f64,
+                kv,
+                f64::from(max_kv),
+                n,
+                experts,
+            ));
+            y.push(s.duration_ns.max(1) as f64);
+        }
+    }
+    (x, y)
 }
 
 /// Fits both models. `moe_share` and the reference imbalances are not identifiable from a
@@ -356,7 +507,7 @@ pub fn fit(
     swap_in_bytes_per_s: f64,
 ) -> Fit {
     let (enc, dec) = (encoder_layers as f64, decoder_layers as f64);
-    let py: Vec<f64> = sweep.prefill.iter().map(|p| p.median_ns).collect();
+    let (pshapes, py) = prefill_steps(sweep, enc, dec);
     // The ramp candidates: none, and every swept chunk size (ascending, so ties keep the
     // smaller ramp).
     let mut ramps: Vec<f64> = sweep.prefill.iter().map(|p| p.new_tokens as f64).collect();
@@ -367,11 +518,7 @@ pub fn fit(
     type Candidate = (f64, f64, Vec<Vec<f64>>, Vec<f64>);
     let mut best: Option<Candidate> = None;
     for ramp in ramps {
-        let px: Vec<Vec<f64>> = sweep
-            .prefill
-            .iter()
-            .map(|p| prefill_features(p, enc, dec, ramp))
-            .collect();
+        let px: Vec<Vec<f64>> = pshapes.iter().map(|c| prefill_features(c, ramp)).collect();
         let pc = fit_nonneg(&px, &py);
         let sse = weighted_sse(&px, &py, &pc);
         if best.as_ref().is_none_or(|b| sse < b.0) {
@@ -390,10 +537,17 @@ pub fn fit(
         attention_ramp_tokens: ramp,
         per_layer_replay_ctx_ns: pc[3],
     };
-    let dx: Vec<Vec<f64>> = sweep.decode.iter().map(decode_features).collect();
-    let dy: Vec<f64> = sweep.decode.iter().map(|d| d.median_ns).collect();
+    // The active-expert term needs the model's expert count (old sweeps did not save it).
+    let experts = (sweep.experts > 0 && sweep.top_k > 0 && sweep.top_k <= sweep.experts).then_some(
+        ActiveExpertTerm {
+            per_expert_ns: 0.0,
+            experts: sweep.experts as u32,
+            top_k: sweep.top_k as u32,
+        },
+    );
+    let (dx, dy) = decode_steps(sweep, &experts);
     let mut dc = fit_nonneg(&dx, &dy);
-    dc.resize(5, 0.0);
+    dc.resize(7, 0.0);
     let decode = DecodeTimeModel {
         base_ns: dc[0],
         per_seq_ns: dc[1],
@@ -403,6 +557,11 @@ pub fn fit(
         dynamic_overhead_ns: 0.0,
         moe_share: 0.6,
         reference_imbalance: 1.0,
+        per_max_kv_token_ns: dc[6],
+        active_experts: experts.map(|a| ActiveExpertTerm {
+            per_expert_ns: dc[5],
+            ..a
+        }),
     };
     let dot = |f: &[f64], c: &[f64]| f.iter().zip(c).map(|(a, b)| a * b).sum::<f64>();
     let prefill_residuals = px.iter().zip(&py).map(|(f, &y)| (y, dot(f, &pc))).collect();
@@ -476,7 +635,7 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
             100.0 * (f / y - 1.0)
         ));
     }
-    s.push_str("#\n# DECODE  t = base + c_seq B + c_kv sum(KV) + c_tok N + c_sq N^2\n");
+    s.push_str("#\n# DECODE  t = base + c_seq B + c_kv sum(KV) + c_maxkv max(KV) + c_tok N + c_sq N^2 + c_exp E (1 - (1 - k/E)^N)\n");
     s.push_str("#   B     KV  q    measured ms  fitted ms  error\n");
     for (pt, (y, f)) in sweep.decode.iter().zip(&fit.decode_residuals) {
         s.push_str(&format!(
@@ -494,15 +653,35 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
         let mx = e.iter().cloned().fold(0.0, f64::max);
         (median(&mut e), mx)
     };
-    let (pm, px) = rel(&fit.prefill_residuals);
-    let (dm, dx) = rel(&fit.decode_residuals);
+    let (ng_p, ng_d) = (sweep.prefill.len(), sweep.decode.len());
+    let (pg, pw) = fit
+        .prefill_residuals
+        .split_at(ng_p.min(fit.prefill_residuals.len()));
+    let (dg, dw) = fit
+        .decode_residuals
+        .split_at(ng_d.min(fit.decode_residuals.len()));
+    let (pm, px) = rel(pg);
+    let (dm, dx) = rel(dg);
     s.push_str(&format!(
-        "#\n# |relative error|: prefill median {:.1}% max {:.1}%; decode median {:.1}% max {:.1}%\n",
+        "#\n# |relative error| on the grid: prefill median {:.1}% max {:.1}%; decode median {:.1}% max {:.1}%\n",
         pm * 100.0,
         px * 100.0,
         dm * 100.0,
         dx * 100.0
     ));
+    if let Some(seed) = sweep.workload_seed {
+        let (wpm, wpx) = rel(pw);
+        let (wdm, wdx) = rel(dw);
+        s.push_str(&format!(
+            "# calibration workload (the conformance config under seed {seed}, fitted with the grid): {} prefill steps, |error| median {:.1}% max {:.1}%; {} decode steps, median {:.1}% max {:.1}%\n",
+            pw.len(),
+            wpm * 100.0,
+            wpx * 100.0,
+            dw.len(),
+            wdm * 100.0,
+            wdx * 100.0
+        ));
+    }
     s.push_str("# transfer: swap_in_bytes_per_s = the gather kernel over mapped pinned memory;\n");
     s.push_str("# sync_gap = median host time of a decode step outside its event-timed span.\n");
     s.push_str(&format!("name = \"{}\"\n", h.name));
@@ -517,9 +696,15 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
     ));
     let d = &fit.decode;
     s.push_str(&format!(
-        "[decode]\nbase_ns = {:.1}\nper_seq_ns = {:.3}\nper_kv_token_ns = {:.6}\nper_token_ns = {:.3}\nper_token_sq_ns = {:.6}\ndynamic_overhead_ns = {:.1}\nmoe_share = {}\nreference_imbalance = {}\n\n",
-        d.base_ns, d.per_seq_ns, d.per_kv_token_ns, d.per_token_ns, d.per_token_sq_ns, d.dynamic_overhead_ns, d.moe_share, d.reference_imbalance
+        "[decode]\nbase_ns = {:.1}\nper_seq_ns = {:.3}\nper_kv_token_ns = {:.6}\nper_max_kv_token_ns = {:.6}\nper_token_ns = {:.3}\nper_token_sq_ns = {:.6}\ndynamic_overhead_ns = {:.1}\nmoe_share = {}\nreference_imbalance = {}\n\n",
+        d.base_ns, d.per_seq_ns, d.per_kv_token_ns, d.per_max_kv_token_ns, d.per_token_ns, d.per_token_sq_ns, d.dynamic_overhead_ns, d.moe_share, d.reference_imbalance
     ));
+    if let Some(a) = &d.active_experts {
+        s.push_str(&format!(
+            "[decode.active_experts]\nper_expert_ns = {:.1}\nexperts = {}\ntop_k = {}\n\n",
+            a.per_expert_ns, a.experts, a.top_k
+        ));
+    }
     s.push_str(&format!(
         "[transfer]\nswap_in_bytes_per_s = {:.4e}\nsync_gap = \"{}us\"\n",
         fit.swap_in_bytes_per_s,
@@ -595,6 +780,10 @@ mod tests {
             &Sweep {
                 prefill,
                 decode: vec![],
+                experts: 0,
+                top_k: 0,
+                workload_seed: None,
+                workload: vec![],
             },
             20,
             20,
@@ -630,6 +819,10 @@ mod tests {
                 median_ns: 5e5,
                 host_gap_ns: 1e5,
             }],
+            experts: 8,
+            top_k: 2,
+            workload_seed: Some(3),
+            workload: vec![],
         };
         let f = fit(&sweep, 20, 20, 5e10);
         let text = profile_toml(
@@ -653,5 +846,157 @@ mod tests {
         p.validate("prefill").unwrap();
         let d: DecodeTimeModel = v["decode"].clone().try_into().unwrap();
         d.validate("decode").unwrap();
+        assert_eq!(d.active_experts.map(|a| (a.experts, a.top_k)), Some((8, 2)));
+        assert!(text.contains("calibration workload"), "{text}");
+    }
+
+    /// Decode grid points and workload steps (two-chunk prefill, dynamic decode) generated by
+    /// the cost models themselves: the fit recovers the active-expert term and the prefill
+    /// coefficients from the mixture, and every point is predicted exactly.
+    #[test]
+    fn fit_recovers_active_experts_from_grid_and_workload_steps() {
+        use servelab_core::engine::plan::SeqOutcome;
+        let dtruth = DecodeTimeModel {
+            base_ns: 10e6,
+            per_seq_ns: 0.0,
+            per_kv_token_ns: 15.0,
+            per_token_ns: 30_000.0,
+            per_token_sq_ns: 0.0,
+            dynamic_overhead_ns: 0.0,
+            moe_share: 0.6,
+            reference_imbalance: 1.0,
+            per_max_kv_token_ns: 0.0,
+            active_experts: Some(ActiveExpertTerm {
+                per_expert_ns: 700_000.0,
+                experts: 8,
+                top_k: 2,
+            }),
+        };
+        let ptruth = PrefillCostModel {
+            base_ns: 12e6,
+            per_layer_token_ns: 800.0,
+            per_layer_token_ctx_ns: 0.05,
+            moe_share: 0.6,
+            reference_imbalance: 1.0,
+            attention_ramp_tokens: 0.0,
+            per_layer_replay_ctx_ns: 0.5,
+        };
+        let mut decode = Vec::new();
+        for b in [1usize, 2, 4, 8, 16] {
+            for kv in [1024usize, 8192] {
+                for q in [1usize, 3, 6] {
+                    let n = (b * q) as u32;
+                    decode.push(DecodePoint {
+                        batch: b,
+                        kv_tokens: kv,
+                        query_tokens: q,
+                        durations_ns: vec![],
+                        median_ns: dtruth.predict_ns(b as u32, (b * kv) as u64, n, false, 1.0),
+                        host_gap_ns: 0.0,
+                    });
+                }
+            }
+        }
+        let chunk = |req: u64, n: u32, p: u32, r: u32| PrefillChunk {
+            request: RequestId(req),
+            new_tokens: n,
+            prefix_tokens: p,
+            new_token_layers: 20,
+            decoder_tokens: r,
+            decoder_layers: 20,
+            swap_in_bytes: 0,
+        };
+        let mut workload = Vec::new();
+        for (i, (n1, p1, n2, p2)) in [
+            (300u32, 2000u32, 700u32, 0u32),
+            (150, 4000, 200, 3000),
+            (2000, 0, 100, 6000),
+            (900, 1500, 400, 2500),
+            (64, 8000, 1000, 0),
+            (500, 500, 500, 500),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let chunks = vec![
+                chunk(2 * i as u64, n1, p1, 140),
+                chunk(2 * i as u64 + 1, n2, p2, 0),
+            ];
+            let t = ptruth.step_ns(&chunks, 1.0);
+            workload.push(RecordedStep {
+                start_ns: 0,
+                end_ns: 0,
+                duration_ns: t.round() as u64,
+                plan: StepPlan::Prefill(PrefillPlan {
+                    engine: EngineId(0),
+                    chunks,
+                    expert_imbalance: 1.0,
+                }),
+                seqs: vec![],
+                ranks: vec![],
+            });
+        }
+        for (b, v) in [(3u32, 2u8), (5, 1), (7, 4)] {
+            let seqs: Vec<DecodeSeq> = (0..b)
+                .map(|i| DecodeSeq {
+                    request: RequestId(u64::from(i)),
+                    kv_tokens: 2000 + 100 * i,
+                    max_drafts: 5,
+                    slot: i,
+                })
+                .collect();
+            let kv: u64 = seqs.iter().map(|s| u64::from(s.kv_tokens)).sum();
+            let t = dtruth.predict_ns(b, kv, b * (1 + u32::from(v)), true, 1.0);
+            workload.push(RecordedStep {
+                start_ns: 0,
+                end_ns: 0,
+                duration_ns: t.round() as u64,
+                plan: StepPlan::Decode(DecodePlan {
+                    engine: EngineId(1),
+                    ranks: vec![DecodeRankPlan {
+                        seq_start: 0,
+                        seq_end: b,
+                        verify_budget: b * u32::from(v),
+                    }],
+                    seqs,
+                    dynamic: true,
+                    expert_imbalance: 1.0,
+                }),
+                seqs: vec![
+                    SeqOutcome {
+                        verified: v,
+                        accepted: 0
+                    };
+                    b as usize
+                ],
+                ranks: vec![],
+            });
+        }
+        let sweep = Sweep {
+            prefill: vec![],
+            decode,
+            experts: 8,
+            top_k: 2,
+            workload_seed: Some(1),
+            workload,
+        };
+        let f = fit(&sweep, 20, 20, 5e10);
+        let a = f.decode.active_experts.as_ref().unwrap();
+        assert!((a.per_expert_ns / 700_000.0 - 1.0).abs() < 1e-3, "{a:?}");
+        assert!(
+            (f.decode.base_ns / 10e6 - 1.0).abs() < 1e-3,
+            "{:?}",
+            f.decode
+        );
+        assert!(
+            (f.prefill.per_layer_replay_ctx_ns / 0.5 - 1.0).abs() < 1e-3,
+            "{:?}",
+            f.prefill
+        );
+        assert_eq!(f.decode_residuals.len(), 30 + 3);
+        assert_eq!(f.prefill_residuals.len(), 6);
+        for (y, p) in f.decode_residuals.iter().chain(&f.prefill_residuals) {
+            assert!((p / y - 1.0).abs() < 1e-3, "{y} vs {p}");
+        }
     }
 }

@@ -10,6 +10,7 @@ pub use servelab_kernels::GpuContext;
 use servelab_sim::profile::HardwareProfile;
 
 use crate::backend::{BackendConfig, BackendError, CudaBackend, ModelShape};
+use crate::clock::ClockKind;
 use crate::conformance::{self, ConformanceError, ConformanceFile, Record};
 use crate::{calibrate, checks, report, speed};
 
@@ -112,6 +113,21 @@ pub struct CalibrateOptions {
     pub date: String,
     pub commit: String,
     pub driver: Option<String>,
+    /// A conformance config whose workload, run under `workload_seed`, joins the fit.
+    pub workload: Option<PathBuf>,
+    /// Seed of that run (default: the config's seed + 1, so a conformance run of the same
+    /// config stays held out).
+    pub workload_seed: Option<u64>,
+}
+
+/// The text of the profile `spec` names (a shipped name or a `.toml` path), validated.
+fn profile_text(spec: &str) -> Result<String, CommandError> {
+    HardwareProfile::resolve(spec)?;
+    if spec.ends_with(".toml") {
+        read(Path::new(spec))
+    } else {
+        Ok(servelab_sim::profile::SM100_PUBLISHED.to_string())
+    }
 }
 
 /// Sweeps step shapes through the CUDA backend, fits the profile and writes it. Returns the
@@ -121,8 +137,15 @@ pub fn calibrate(
     o: &CalibrateOptions,
     log: &mut dyn FnMut(&str),
 ) -> Result<String, CommandError> {
+    // Timed steps are host-bound: keep the launching thread on one CPU (see affinity.rs), as
+    // the conformance runs that are compared with this profile do.
+    let pin = crate::affinity::pin_to_current_cpu();
+    log(&match &pin {
+        Some(p) => format!("pinned to CPU {}", p.cpu),
+        None => "not pinned to a CPU".to_string(),
+    });
     let t0 = Instant::now();
-    let mut b = bench_backend(gpu, o.quick, if o.quick { 512 } else { 8448 })?;
+    let mut b = bench_backend(gpu.clone(), o.quick, if o.quick { 512 } else { 8448 })?;
     log(&format!(
         "backend ready in {:.1} s",
         t0.elapsed().as_secs_f64()
@@ -132,7 +155,7 @@ pub fn calibrate(
     } else {
         calibrate::CalibrateConfig::full()
     };
-    let sweep = calibrate::sweep(&mut b, &cfg, &mut *log)?;
+    let mut sweep = calibrate::sweep(&mut b, &cfg, &mut *log)?;
     // Swap-in rate of SPEC-sized blocks (128 tokens x 890 B), gather kernel over mapped
     // pinned memory: the path the backend uses.
     let swap = match speed::measure_swap(b.gpu(), 128 * 890, if o.quick { 64 } else { 2048 }, 5, 1)
@@ -148,8 +171,40 @@ pub fn calibrate(
     }
     .unwrap_or(5.0e10);
     let m = b.config().model.clone();
+    if let Some(path) = &o.workload {
+        let origin = path.display().to_string();
+        let config_text = read(path)?;
+        let file = ConformanceFile::parse(&config_text, &origin)?;
+        if file.backend.model != m {
+            return Err(CommandError::Failed(format!(
+                "{origin}: [backend.model] differs from the calibrated model; the workload's \
+                 steps would describe another model"
+            )));
+        }
+        let w = calibrate::CalibrationWorkload {
+            profile_text: profile_text(&file.conformance.profile)?,
+            seed: match o.workload_seed {
+                Some(s) => s,
+                None => file.seed()?.wrapping_add(1),
+            },
+            config_text,
+            origin,
+        };
+        // One backend at a time: the grid's pools go before the workload's are made.
+        drop(b);
+        let t1 = Instant::now();
+        calibrate::add_workload(gpu.clone(), &mut sweep, &w)?;
+        log(&format!(
+            "calibration workload (seed {}): {} steps in {:.1} s",
+            w.seed,
+            sweep.workload.len(),
+            t1.elapsed().as_secs_f64()
+        ));
+    } else {
+        drop(b);
+    }
     let fit = calibrate::fit(&sweep, m.encoder_layers, m.decoder_layers, swap);
-    let g = b.gpu();
+    let g = &gpu;
     let header = calibrate::ProfileHeader {
         name: o.name.clone(),
         gpu: g.name(),
@@ -242,8 +297,13 @@ pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
         cause,
     };
     let v: serde_json::Value = serde_json::from_str(&read(&o.sweep)?).map_err(json_err)?;
-    let sweep: calibrate::Sweep = serde_json::from_value(v["sweep"].clone()).map_err(json_err)?;
+    let mut sweep: calibrate::Sweep =
+        serde_json::from_value(v["sweep"].clone()).map_err(json_err)?;
     let m: ModelShape = serde_json::from_value(v["model"].clone()).map_err(json_err)?;
+    if sweep.experts == 0 {
+        // Sweeps saved before the active-expert term: the model section has the counts.
+        (sweep.experts, sweep.top_k) = (m.experts, m.top_k);
+    }
     let swap = v["fit"]["swap_in_bytes_per_s"].as_f64().ok_or_else(|| {
         CommandError::Failed(format!(
             "{}: fit.swap_in_bytes_per_s missing",
@@ -417,6 +477,8 @@ pub struct ConformanceOptions {
     pub profile: Option<String>,
     /// Analyse this record (from an earlier GPU run) instead of running the GPU.
     pub record: Option<PathBuf>,
+    /// The GPU run's clock (a record carries its own).
+    pub clock: ClockKind,
     pub date: String,
     pub commit: String,
     /// File name prefix of the outputs (e.g. `2026-11-29-nvidia-h200-`).
@@ -443,27 +505,49 @@ pub fn conformance(
                 .clone()
                 .unwrap_or_else(|| file.conformance.profile.clone());
             // Loaded (and validated) here; its text goes into the record.
-            HardwareProfile::resolve(&spec)?;
-            let profile_text = if spec.ends_with(".toml") {
-                read(Path::new(&spec))?
-            } else {
-                servelab_sim::profile::SM100_PUBLISHED.to_string()
-            };
+            let profile_text = profile_text(&spec)?;
             let gpu = Arc::new(open_gpu()?);
             let t0 = Instant::now();
-            let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+            let rec = match o.clock {
+                ClockKind::Virtual => {
+                    // As in calibration and the wall clock: one CPU for the launching thread.
+                    let pin = crate::affinity::pin_to_current_cpu();
+                    let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+                    log(&format!(
+                        "backend ready in {:.1} s",
+                        t0.elapsed().as_secs_f64()
+                    ));
+                    let mut rec = conformance::run_on_gpu(
+                        &mut b,
+                        &text,
+                        &origin,
+                        &profile_text,
+                        &o.date,
+                        &o.commit,
+                    )?;
+                    rec.run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
+                    rec
+                }
+                // The backend is built and warmed up on the device thread first.
+                ClockKind::Wall => conformance::run_on_gpu_wall(
+                    gpu,
+                    &text,
+                    &origin,
+                    &profile_text,
+                    &o.date,
+                    &o.commit,
+                )?,
+            };
+            let device_ns: u64 = rec.run.steps.iter().map(|s| s.duration_ns).sum();
             log(&format!(
-                "backend ready in {:.1} s",
-                t0.elapsed().as_secs_f64()
-            ));
-            let t1 = Instant::now();
-            let rec =
-                conformance::run_on_gpu(&mut b, &text, &origin, &profile_text, &o.date, &o.commit)?;
-            log(&format!(
-                "GPU run: {} steps, {:.1} ms of device time, {:.1} s wall",
+                "GPU run ({} clock): {} steps, run {:.1} ms on its clock, {:.1} ms of device \
+                 time, {} arrivals admitted during a step; {:.1} s with backend set-up",
+                rec.run.clock,
                 rec.run.steps.len(),
                 rec.run.end_ns as f64 / 1e6,
-                t1.elapsed().as_secs_f64()
+                device_ns as f64 / 1e6,
+                rec.run.admitted_in_flight,
+                t0.elapsed().as_secs_f64()
             ));
             write(
                 &o.out,
@@ -648,7 +732,8 @@ mod tests {
         std::fs::write(&path, serde_json::to_string(&rec).unwrap()).unwrap();
         let a = conformance(&conformance_opts(&dir, Some(path)), &mut |_| {}).unwrap();
         assert_eq!(a.replay.mismatched_steps, 0);
-        assert!(dir.join("t-conformance.md").exists());
+        let md = std::fs::read_to_string(dir.join("t-conformance.md")).unwrap();
+        assert!(md.contains("Clock: **virtual**"), "{md}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -658,6 +743,7 @@ mod tests {
             out: dir.to_path_buf(),
             profile: None,
             record,
+            clock: ClockKind::Wall,
             date: "d".into(),
             commit: "c".into(),
             prefix: "t-".into(),

@@ -1,16 +1,19 @@
 //! Conformance (issue 6 item 5, SPEC §16): one workload through the same policy objects on the
 //! GPU and in the simulator.
 //!
-//! [`drive`] is the one engine loop: hit rules + [`KvStore`] + [`SwaCache`] at arrival, one
+//! [`drive_on`] is the one engine loop: hit rules + [`KvStore`] + [`SwaCache`] at arrival, one
 //! [`PrefillEngine`] with its chunk scheduler, one [`DecodeGroup`] (one rank) with DSpark
-//! verification, all on one device that runs one step at a time. It never reads a clock: time
-//! moves by the durations the [`Backend`] reports and jumps to the next arrival when the
-//! device is idle, so the same backend answers give the same plans. The four parts:
+//! verification, all on one device that runs one step at a time. It reads time only from its
+//! [`Clock`] ([`crate::clock`]): the virtual clock moves by the durations the [`Backend`]
+//! reports and jumps to the next arrival when idle ([`drive`]); the wall clock runs the device
+//! on a worker thread and admits arrivals while a step is in flight. Either way the record
+//! holds each step's start and end, so the same answers at the same times give the same plans.
+//! The four parts:
 //!
-//! 1. the GPU run ([`CudaBackend`]), recording arrivals and every plan with its report
-//!    ([`Record`]);
-//! 2. a replay of the recorded reports through the same driver ([`RecordedBackend`]): every plan
-//!    must be identical ([`replay_check`]);
+//! 1. the GPU run ([`CudaBackend`]), recording arrivals and every plan with its report and
+//!    times ([`Record`]);
+//! 2. a replay of the recorded reports at the recorded times through the same driver
+//!    ([`RecordedClock`]): every plan must be identical ([`replay_check`]);
 //! 3. per plan, the simulator's cost model with the measured profile predicts the duration
 //!    ([`step_errors`]);
 //! 4. a free-running run with the simulator's [`CostModel`], compared with the GPU run by TTFT
@@ -18,8 +21,8 @@
 //!
 //! The device alternates between prefill and decode when both have work (one GPU serves both
 //! roles here; SPEC §8 disaggregates them), and decode is scheduled synchronously: the next
-//! plan is built after the previous report (async scheduling would overlap planning with a step
-//! of the other role).
+//! plan is built after the previous report. What overlaps a step on the wall clock is the
+//! admission of new arrivals (SPEC §6: the CPU works while the GPU runs step N).
 
 use std::collections::VecDeque;
 
@@ -39,6 +42,7 @@ use servelab_sim::profile::HardwareProfile;
 use servelab_workloads::generate::WorkloadConfig;
 
 use crate::backend::{BackendConfig, CudaBackend, ModelShape};
+use crate::clock::{Admitted, Clock, ClockKind, RecordedClock, VirtualClock, WallClock};
 
 /// Tag mixed into a prefix key to name its SWA state object in the block store (SWA-on-SSD).
 const SWA_OBJECT_TAG: u64 = 0x5357_415f_5354_4154;
@@ -224,11 +228,33 @@ pub struct Setup {
 /// One executed plan and the backend's answer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RecordedStep {
+    /// The `now` the policies planned it at.
     pub start_ns: u64,
+    /// When the loop saw it complete (the completion's `now`). 0 in records from before the
+    /// wall clock, whose steps ended at start + duration ([`RecordedStep::end`]).
+    #[serde(default)]
+    pub end_ns: u64,
+    /// The backend's own measurement (CUDA events on the GPU): what step-time errors compare.
     pub duration_ns: u64,
     pub plan: StepPlan,
     pub seqs: Vec<SeqOutcome>,
     pub ranks: Vec<RankOutcome>,
+}
+
+impl RecordedStep {
+    /// The step's end: `end_ns`, or start + duration (at least 1 ns) where it was not recorded.
+    pub fn end(&self) -> u64 {
+        if self.end_ns > 0 {
+            self.end_ns
+        } else {
+            self.start_ns + self.duration_ns.max(1)
+        }
+    }
+    /// Host time inside the step not covered by the device's duration (end − start − duration;
+    /// 0 on the virtual clock).
+    pub fn host_overhead_ns(&self) -> i64 {
+        self.end() as i64 - self.start_ns as i64 - self.duration_ns as i64
+    }
 }
 
 /// One request as the run saw it.
@@ -266,6 +292,16 @@ pub struct RunOutcome {
     pub steps: Vec<RecordedStep>,
     pub requests: Vec<RequestOutcome>,
     pub end_ns: u64,
+    /// The clock the run's times are on (records from before the wall clock: virtual).
+    #[serde(default)]
+    pub clock: ClockKind,
+    /// Arrivals the loop admitted while a step was in flight (before it saw the completion;
+    /// 0 on the virtual clock, whose steps are not in flight while the loop runs).
+    #[serde(default)]
+    pub admitted_in_flight: u64,
+    /// The CPU every thread of a wall-clock GPU run was pinned to (see [`crate::affinity`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned_cpu: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -426,11 +462,24 @@ impl Driver<'_> {
     }
 }
 
-/// Runs `reqs` (sorted by arrival, ids = indices) through the policies of `s` on `backend`.
+/// Runs `reqs` (sorted by arrival, ids = indices) through the policies of `s` on `backend`,
+/// on the virtual clock (time moves by the reported durations).
 pub fn drive(
     s: &Setup,
     reqs: &[Request],
     backend: &mut dyn Backend,
+) -> Result<RunOutcome, ConfigError> {
+    drive_on(s, reqs, &mut VirtualClock::new(backend))
+}
+
+/// The engine loop on `clock` (which runs the device): plan at the clock's `now` after
+/// admitting every arrival at or before it; while the step runs (on the wall clock) admit
+/// arrivals as they come; when it ends, admit the rest at or before its end, record it and
+/// process its completion at the end time.
+pub fn drive_on<C: Clock + ?Sized>(
+    s: &Setup,
+    reqs: &[Request],
+    clock: &mut C,
 ) -> Result<RunOutcome, ConfigError> {
     for (i, r) in reqs.iter().enumerate() {
         if r.id.0 != i as u64 || (i > 0 && r.arrival < reqs[i - 1].arrival) {
@@ -459,8 +508,9 @@ pub fn drive(
         emissions: Vec::new(),
     };
     let mut steps = Vec::new();
-    let mut now = Nanos::ZERO;
+    let mut now;
     let mut next = 0usize;
+    let mut admitted_in_flight = 0u64;
     let mut last_was_decode = false;
     let mut pplan = StepPlan::Prefill(PrefillPlan {
         engine: EngineId(0),
@@ -476,6 +526,7 @@ pub fn drive(
     });
     let mut report = StepReport::default();
     loop {
+        now = clock.now();
         while next < reqs.len() && reqs[next].arrival <= now {
             d.arrive(reqs[next].arrival, next);
             next += 1;
@@ -503,35 +554,49 @@ pub fn drive(
         }
         let Some(is_decode) = chosen else {
             if next < reqs.len() {
-                now = now.max(reqs[next].arrival);
+                clock.wait_until(reqs[next].arrival);
                 continue;
             }
             break;
         };
         last_was_decode = is_decode;
         let plan = if is_decode { &dplan } else { &pplan };
-        backend.execute(now, plan, &mut report);
-        // A step always moves time forward, whatever the backend says.
-        let end = now + report.duration.max(Nanos(1));
+        // Admission while the step is in flight: each arrival with its own time, as below.
+        let mut admit = |t: Nanos| {
+            let mut count = 0;
+            while next < reqs.len() && reqs[next].arrival <= t {
+                d.arrive(reqs[next].arrival, next);
+                next += 1;
+                count += 1;
+            }
+            admitted_in_flight += count as u64;
+            Admitted {
+                count,
+                next: reqs.get(next).map(|r| r.arrival),
+            }
+        };
+        let Some(end) = clock.step(now, plan, &mut report, &mut admit) else {
+            break; // the device failed; the clock's owner has the error
+        };
         while next < reqs.len() && reqs[next].arrival <= end {
             d.arrive(reqs[next].arrival, next);
             next += 1;
         }
         steps.push(RecordedStep {
             start_ns: now.0,
+            end_ns: end.0,
             duration_ns: report.duration.0,
             plan: plan.clone(),
             seqs: report.seqs.clone(),
             ranks: report.ranks.clone(),
         });
-        now = end;
         if is_decode {
-            d.decode_done(now, &dplan, &report);
+            d.decode_done(end, &dplan, &report);
         } else {
             let StepPlan::Prefill(p) = &pplan else {
                 unreachable!()
             };
-            d.prefill_done(now, p);
+            d.prefill_done(end, p);
         }
     }
     let requests = reqs
@@ -552,6 +617,9 @@ pub fn drive(
         steps,
         requests,
         end_ns: now.0,
+        clock: clock.kind(),
+        admitted_in_flight,
+        pinned_cpu: None,
     })
 }
 
@@ -647,14 +715,16 @@ pub struct ReplayCheck {
     pub outcomes_identical: bool,
 }
 
-/// Replays `recorded` through the same driver and policies.
+/// Replays `recorded` through the same driver and policies, at the recorded times
+/// ([`RecordedClock`]).
 pub fn replay_check(
     s: &Setup,
     reqs: &[Request],
     recorded: &RunOutcome,
 ) -> Result<ReplayCheck, ConfigError> {
-    let mut b = RecordedBackend::new(&recorded.steps);
-    let out = drive(s, reqs, &mut b)?;
+    let mut clock = RecordedClock::new(&recorded.steps, recorded.clock);
+    let out = drive_on(s, reqs, &mut clock)?;
+    let b = clock.into_backend();
     let mut mismatches = b.mismatches;
     if b.next < recorded.steps.len() {
         mismatches.push(format!(
@@ -734,14 +804,24 @@ pub fn predict_ns(cost: &CostModel, step: &RecordedStep) -> f64 {
                 let (a, b) = (r.seq_start as usize, r.seq_end as usize);
                 let seqs = &d.seqs[a.min(d.seqs.len())..b.min(d.seqs.len())];
                 let kv: u64 = seqs.iter().map(|s| u64::from(s.kv_tokens)).sum();
+                let max_kv = seqs
+                    .iter()
+                    .map(|s| u64::from(s.kv_tokens))
+                    .max()
+                    .unwrap_or(0);
                 let verified: u32 = step
                     .seqs
                     .get(a..b)
                     .map_or(0, |o| o.iter().map(|o| u32::from(o.verified)).sum());
                 let n = seqs.len() as u32;
-                cost.profile()
-                    .decode
-                    .predict_ns(n, kv, n + verified, d.dynamic, d.expert_imbalance)
+                cost.profile().decode.predict_with_max_ns(
+                    n,
+                    kv,
+                    max_kv,
+                    n + verified,
+                    d.dynamic,
+                    d.expert_imbalance,
+                )
             })
             .fold(0.0, f64::max),
     }
@@ -877,7 +957,21 @@ impl Backend for Checked<'_> {
     }
 }
 
-/// Part 1: the workload of `config_text` on the GPU, the policies using `profile_text`.
+/// The parsed config, its policies planning with `profile_text`, and its workload.
+fn prepare(
+    config_text: &str,
+    origin: &str,
+    profile_text: &str,
+) -> Result<(ConformanceFile, Setup, Vec<Request>), ConfigError> {
+    let file = ConformanceFile::parse(config_text, origin)?;
+    let profile = HardwareProfile::from_toml_str(profile_text, &file.conformance.profile)?;
+    let setup = file.setup(profile)?;
+    let reqs = workload(&file)?;
+    Ok((file, setup, reqs))
+}
+
+/// Part 1 on the virtual clock: the workload of `config_text` on the GPU, the policies using
+/// `profile_text`, the backend on this thread (time moves by the CUDA-event durations).
 /// `b` must have been built from the config's `[backend]` section ([`ConformanceFile::backend`]).
 pub fn run_on_gpu(
     b: &mut CudaBackend,
@@ -887,10 +981,7 @@ pub fn run_on_gpu(
     date: &str,
     commit: &str,
 ) -> Result<Record, ConformanceError> {
-    let file = ConformanceFile::parse(config_text, origin)?;
-    let profile = HardwareProfile::from_toml_str(profile_text, &file.conformance.profile)?;
-    let setup = file.setup(profile)?;
-    let reqs = workload(&file)?;
+    let (file, setup, reqs) = prepare(config_text, origin, profile_text)?;
     warm_up(b, &file)?;
     let mut checked = Checked { b, err: None };
     let run = drive(&setup, &reqs, &mut checked)?;
@@ -907,44 +998,111 @@ pub fn run_on_gpu(
     })
 }
 
-/// Throwaway prefill and decode plans on request ids outside the workload, then a reset.
+/// Part 1 on the wall clock: as [`run_on_gpu`], but the backend is built (from the config's
+/// `[backend]`) and warmed up on the wall clock's device thread, and the run's times are wall
+/// times from the loop's first plan: arrivals are released when their time comes, admitted
+/// while steps are in flight, and a step ends when the loop sees it complete. Each step's
+/// `duration_ns` is still the CUDA-event time.
+pub fn run_on_gpu_wall(
+    gpu: std::sync::Arc<servelab_kernels::GpuContext>,
+    config_text: &str,
+    origin: &str,
+    profile_text: &str,
+    date: &str,
+    commit: &str,
+) -> Result<Record, ConformanceError> {
+    let (file, setup, reqs) = prepare(config_text, origin, profile_text)?;
+    let name = gpu.name();
+    let device_file = file.clone();
+    // Before the device thread exists, so it (and the disk tier's thread) inherit the mask.
+    let pin = crate::affinity::pin_to_current_cpu();
+    let mut clock = WallClock::spawn(move |_| {
+        // The context is current on this thread for every call that follows (cudarc binds it
+        // for its own calls; the backend also makes raw driver calls).
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(crate::backend::BackendError::from)?;
+        let mut b = CudaBackend::new(gpu, device_file.backend.clone())?;
+        warm_up(&mut b, &device_file)?;
+        Ok(move |plan: &StepPlan, report: &mut StepReport| {
+            b.try_execute(plan, report).map_err(ConformanceError::from)
+        })
+    })?;
+    let mut run = drive_on(&setup, &reqs, &mut clock)?;
+    clock.finish()?;
+    run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
+    drop(pin);
+    Ok(Record {
+        config: config_text.to_string(),
+        policy_profile: profile_text.to_string(),
+        gpu: name,
+        date: date.to_string(),
+        commit: commit.to_string(),
+        run,
+    })
+}
+
+/// Throwaway prefill and decode plans on request ids outside the workload, then a reset: a
+/// ladder of prefill chunk sizes (128 to 8,192 new tokens, cold and over a cached prefix) and
+/// of decode batch sizes (1 to `max_seqs`, six query tokens each), `warmup_steps` times. One
+/// size is not enough: kernels load lazily and cuBLAS picks per GEMM shape on first use, and
+/// activation buffers grow to the largest step seen, so in run 11 the first cold 3–4K-token
+/// prefill steps of the run took 63–123 ms against 30–32 ms later (and in the calibration,
+/// whose grid had run every size first), which set the run's TTFT tail.
 fn warm_up(b: &mut CudaBackend, file: &ConformanceFile) -> Result<(), ConformanceError> {
     use servelab_core::engine::{DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk};
     let m = b.config().model.clone();
     let mut report = StepReport::default();
-    for i in 0..u64::from(file.conformance.warmup_steps) {
-        let req = RequestId(u64::MAX / 2 + i);
-        let prefill = StepPlan::Prefill(PrefillPlan {
-            engine: EngineId(0),
-            chunks: vec![PrefillChunk {
-                request: req,
-                new_tokens: 1024,
-                prefix_tokens: 0,
-                new_token_layers: m.encoder_layers as u32,
-                decoder_tokens: 140,
-                decoder_layers: m.decoder_layers as u32,
-                swap_in_bytes: 0,
-            }],
-            expert_imbalance: 1.0,
-        });
-        b.try_execute(&prefill, &mut report)?;
-        let decode = StepPlan::Decode(DecodePlan {
-            engine: EngineId(1),
-            ranks: vec![DecodeRankPlan {
-                seq_start: 0,
-                seq_end: 1,
-                verify_budget: 4,
-            }],
-            seqs: vec![DecodeSeq {
-                request: req,
-                kv_tokens: 1025,
-                max_drafts: 4,
-                slot: 0,
-            }],
-            dynamic: false,
-            expert_imbalance: 1.0,
-        });
-        b.try_execute(&decode, &mut report)?;
+    let mut next = u64::MAX / 2;
+    let mut fresh = || {
+        next += 1;
+        RequestId(next)
+    };
+    for _ in 0..file.conformance.warmup_steps {
+        for new_tokens in [128u32, 256, 512, 1024, 2048, 4096, 8192] {
+            for prefix_tokens in [0u32, 2048] {
+                let prefill = StepPlan::Prefill(PrefillPlan {
+                    engine: EngineId(0),
+                    chunks: vec![PrefillChunk {
+                        request: fresh(),
+                        new_tokens,
+                        prefix_tokens,
+                        new_token_layers: m.encoder_layers as u32,
+                        decoder_tokens: 140,
+                        decoder_layers: m.decoder_layers as u32,
+                        swap_in_bytes: 0,
+                    }],
+                    expert_imbalance: 1.0,
+                });
+                b.try_execute(&prefill, &mut report)?;
+                b.reset();
+            }
+        }
+        let mut batch = 1u32;
+        while batch <= file.conformance.max_seqs.max(1) {
+            let seqs: Vec<DecodeSeq> = (0..batch)
+                .map(|slot| DecodeSeq {
+                    request: fresh(),
+                    kv_tokens: 2049,
+                    max_drafts: 5,
+                    slot,
+                })
+                .collect();
+            let decode = StepPlan::Decode(DecodePlan {
+                engine: EngineId(1),
+                ranks: vec![DecodeRankPlan {
+                    seq_start: 0,
+                    seq_end: batch,
+                    verify_budget: 5 * batch,
+                }],
+                seqs,
+                dynamic: false,
+                expert_imbalance: 1.0,
+            });
+            b.try_execute(&decode, &mut report)?;
+            b.reset();
+            batch *= 2;
+        }
     }
     b.reset();
     Ok(())
@@ -961,13 +1119,51 @@ pub struct Analysis {
     pub steps: usize,
     pub prefill_steps: usize,
     pub decode_steps: usize,
+    /// The GPU run's clock: on the wall clock its times (run length, TTFT, TPOT) are wall times.
+    pub clock: ClockKind,
+    /// The CPU a wall-clock GPU run's threads were pinned to.
+    pub pinned_cpu: Option<usize>,
+    /// The GPU run's length on its clock.
     pub gpu_run_ms: f64,
+    /// Σ of the steps' device durations (CUDA events).
+    pub device_ms: f64,
     pub sim_run_ms: f64,
     pub hit_tokens: u64,
     pub prompt_tokens: u64,
+    pub host: HostOverhead,
     pub replay: ReplayCheck,
     pub step_errors: StepErrors,
     pub latency: LatencyComparison,
+}
+
+/// Host time the run's clock saw beyond the device: per step, end − start − duration (the
+/// admission and planning before the launch, the host work of the step outside its CUDA-event
+/// span, and the time until the loop saw the completion). 0 on the virtual clock.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HostOverhead {
+    pub steps: usize,
+    pub sum_ms: f64,
+    pub median_ms: f64,
+    pub p90_ms: f64,
+    /// Arrivals admitted while a step was in flight.
+    pub admitted_in_flight: u64,
+    pub requests: usize,
+}
+
+pub fn host_overhead(run: &RunOutcome) -> HostOverhead {
+    let v: Vec<f64> = run
+        .steps
+        .iter()
+        .map(|s| s.host_overhead_ns() as f64 / 1e6)
+        .collect();
+    HostOverhead {
+        steps: v.len(),
+        sum_ms: v.iter().sum(),
+        median_ms: percentile(&v, 0.5),
+        p90_ms: percentile(&v, 0.9),
+        admitted_in_flight: run.admitted_in_flight,
+        requests: run.requests.len(),
+    }
 }
 
 /// The generated workload of a config (ids = arrival order).
@@ -1069,7 +1265,16 @@ pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, Co
         steps: record.run.steps.len(),
         prefill_steps: count(false),
         decode_steps: count(true),
+        clock: record.run.clock,
+        pinned_cpu: record.run.pinned_cpu,
         gpu_run_ms: record.run.end_ns as f64 / 1e6,
+        device_ms: record
+            .run
+            .steps
+            .iter()
+            .map(|s| s.duration_ns as f64)
+            .sum::<f64>()
+            / 1e6,
         sim_run_ms: sim.end_ns as f64 / 1e6,
         hit_tokens: record
             .run
@@ -1078,6 +1283,7 @@ pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, Co
             .map(|r| u64::from(r.hit_tokens))
             .sum(),
         prompt_tokens: reqs.iter().map(|r| u64::from(r.prompt_tokens)).sum(),
+        host: host_overhead(&record.run),
         replay,
         step_errors,
         latency,
@@ -1097,7 +1303,8 @@ pub fn markdown(a: &Analysis) -> String {
         "# Conformance: GPU engine vs simulator (SPEC §16)\n\n\
          GPU: {}; date {}; commit {}; profile `{}`.\n\n\
          {} requests, {} prompt tokens ({} hit, {:.1}%); {} steps ({} prefill, {} decode); \
-         GPU run {:.1} ms of device time, free-running simulation {:.1} ms.\n\n",
+         GPU run {:.1} ms {} ({:.1} ms of device time in steps), free-running \
+         simulation {:.1} ms.\n\n",
         a.gpu,
         a.date,
         a.commit,
@@ -1110,11 +1317,46 @@ pub fn markdown(a: &Analysis) -> String {
         a.prefill_steps,
         a.decode_steps,
         a.gpu_run_ms,
+        match a.clock {
+            ClockKind::Wall => "of wall time",
+            ClockKind::Virtual => "on the virtual clock",
+        },
+        a.device_ms,
         a.sim_run_ms,
     );
+    let h = &a.host;
+    match a.clock {
+        ClockKind::Wall => s.push_str(&format!(
+            "Clock: **wall**. Arrivals were released at their wall time; the device ran on a \
+             worker thread while the engine loop admitted arrivals (prefix match, hit rule, \
+             prefill backlog): {} of {} requests were admitted while a step was in flight. A \
+             step ends when the loop saw it complete; host time per step beyond the device \
+             duration (end − start − duration: admission and planning before the launch, host \
+             work outside the CUDA-event span, completion latency): sum {:.1} ms, median {:.3} \
+             ms, P90 {:.3} ms over {} steps. TTFT and TPOT below are wall times; the simulator \
+             has no host time. {}\n\n",
+            h.admitted_in_flight,
+            h.requests,
+            h.sum_ms,
+            h.median_ms,
+            h.p90_ms,
+            h.steps,
+            match a.pinned_cpu {
+                Some(c) => format!(
+                    "Every thread of the run was pinned to CPU {c} (host-bound steps on a \
+                     migrating thread ran 10–50 % slower; see `hw/src/affinity.rs`)."
+                ),
+                None => "The run's threads were not pinned to a CPU.".to_string(),
+            }
+        )),
+        ClockKind::Virtual => s.push_str(
+            "Clock: **virtual**. Time moved by the CUDA-event step durations and jumped to the \
+             next arrival when the device was idle; host time between steps is not counted.\n\n",
+        ),
+    }
     let r = &a.replay;
     s.push_str(&format!(
-        "## 1. Decisions (recorded GPU run replayed through the same policies)\n\n\
+        "## 1. Decisions (recorded GPU run replayed through the same policies at the recorded times)\n\n\
          {} recorded plans, {} replayed, **{} mismatched**; request outcomes identical: {}.\n\n",
         r.recorded_steps, r.replayed_steps, r.mismatched_steps, r.outcomes_identical
     ));
@@ -1203,6 +1445,8 @@ mod tests {
                 dynamic_overhead_ns: 0.0,
                 moe_share: 0.0,
                 reference_imbalance: 1.0,
+                per_max_kv_token_ns: 0.0,
+                active_experts: None,
             },
             transfer: TransferProfile {
                 swap_in_bytes_per_s: 5e10,
@@ -1359,6 +1603,10 @@ think_time_s = { kind = "fixed", value = 0.2 }
         assert_eq!(r.tpot_ns(), Some(1_000_000.0));
         assert_eq!(run.steps.len(), 5);
         assert_eq!(run.steps[0].start_ns, 5_000_000);
+        assert_eq!(run.steps[0].end_ns, 6_000_000);
+        assert_eq!(run.steps[4].end(), 10_000_000);
+        assert_eq!(run.clock, ClockKind::Virtual);
+        assert_eq!(host_overhead(&run).sum_ms, 0.0);
         let StepPlan::Prefill(p) = &run.steps[1].plan else {
             panic!("second step is prefill")
         };
@@ -1403,6 +1651,241 @@ think_time_s = { kind = "fixed", value = 0.2 }
         }
         let off = decode_offset_ns(&c, &run.steps[..split]);
         assert!((off - 2e6).abs() <= 1.0, "{off}");
+    }
+
+    /// A deterministic stand-in for the wall clock: every step takes `host_ns` more than the
+    /// device duration, the loop plans `post_ns` after a completion and wakes `lag_ns` after an
+    /// idle deadline, and arrivals due before a step ends are admitted while it is in flight
+    /// (as the wall clock does, one callback per arrival time).
+    struct Skewed {
+        cost: CostModel,
+        now: Nanos,
+        host_ns: u64,
+        post_ns: u64,
+        lag_ns: u64,
+    }
+
+    impl Clock for Skewed {
+        fn kind(&self) -> ClockKind {
+            ClockKind::Wall
+        }
+        fn now(&mut self) -> Nanos {
+            self.now
+        }
+        fn wait_until(&mut self, t: Nanos) {
+            self.now = self.now.max(t) + Nanos(self.lag_ns);
+        }
+        fn step(
+            &mut self,
+            start: Nanos,
+            plan: &StepPlan,
+            report: &mut StepReport,
+            admit: &mut dyn FnMut(Nanos) -> Admitted,
+        ) -> Option<Nanos> {
+            self.cost.execute(start, plan, report);
+            let end = start + report.duration + Nanos(self.host_ns.max(1));
+            let mut next = admit(start).next;
+            while let Some(t) = next.filter(|&t| t < end) {
+                next = admit(t).next;
+            }
+            self.now = end + Nanos(self.post_ns);
+            Some(end)
+        }
+    }
+
+    /// Loads a committed record, or None where the file has not been committed.
+    fn committed(run: &str) -> Option<Record> {
+        let path = format!(
+            "{}/measurements/2026-11-29-nvidia-h200-{run}-conformance-record.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let text = std::fs::read_to_string(path).ok()?;
+        Some(serde_json::from_str(&text).unwrap())
+    }
+
+    /// The records of the H200 runs 4, 5 and 8 (virtual clock, no `end_ns`) still load, and
+    /// the recorded clock replays them exactly, as the virtual loop's replay did.
+    #[test]
+    fn committed_virtual_records_replay_exactly() {
+        for run in ["run4", "run5", "run8"] {
+            let Some(rec) = committed(run) else { continue };
+            assert_eq!(rec.run.clock, ClockKind::Virtual);
+            assert!(rec.run.steps.iter().all(|s| s.end_ns == 0));
+            let file = ConformanceFile::parse(&rec.config, "record.config").unwrap();
+            let profile =
+                HardwareProfile::from_toml_str(&rec.policy_profile, "record.profile").unwrap();
+            let setup = file.setup(profile).unwrap();
+            let reqs = workload(&file).unwrap();
+            let check = replay_check(&setup, &reqs, &rec.run).unwrap();
+            assert_eq!(
+                check.mismatched_steps, 0,
+                "{run}: {:?}",
+                check.first_mismatches
+            );
+            assert!(check.outcomes_identical, "{run}");
+        }
+    }
+
+    /// The virtual loop's record now carries every step's end (= start + duration), and the
+    /// same record with the ends dropped (the old format) replays the same way.
+    #[test]
+    fn virtual_records_with_and_without_ends_replay_alike() {
+        let f = file();
+        let setup = f.setup(profile()).unwrap();
+        let reqs = workload(&f).unwrap();
+        let run = drive(&setup, &reqs, &mut cost(&f)).unwrap();
+        assert!(
+            run.steps
+                .iter()
+                .all(|s| s.end_ns == s.start_ns + s.duration_ns.max(1))
+        );
+        let mut old = serde_json::to_value(&run).unwrap();
+        for s in old["steps"].as_array_mut().unwrap() {
+            s.as_object_mut().unwrap().remove("end_ns");
+        }
+        old.as_object_mut().unwrap().remove("clock");
+        let old: RunOutcome = serde_json::from_value(old).unwrap();
+        assert!(old.steps.iter().all(|s| s.end_ns == 0));
+        for r in [&run, &old] {
+            let check = replay_check(&setup, &reqs, r).unwrap();
+            assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+            assert!(check.outcomes_identical);
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
+        /// Whatever host time the clock adds inside steps, after completions and on idle
+        /// wake-ups, the recorded start and end times replay every plan and outcome exactly,
+        /// arrivals admitted in flight included; moving one step's end breaks it.
+        #[test]
+        fn skewed_clock_records_replay_exactly(
+            host_ns in 0u64..3_000_000,
+            post_ns in 0u64..2_000_000,
+            lag_ns in 0u64..5_000_000,
+        ) {
+            let f = file();
+            let setup = f.setup(profile()).unwrap();
+            let reqs = workload(&f).unwrap();
+            let mut clock = Skewed { cost: cost(&f), now: Nanos::ZERO, host_ns, post_ns, lag_ns };
+            let run = drive_on(&setup, &reqs, &mut clock).unwrap();
+            proptest::prop_assert!(run.requests.iter().all(|r| r.last_token_ns.is_some()));
+            proptest::prop_assert!(run.steps.iter().all(|s| s.host_overhead_ns() as u64 == host_ns.max(1)));
+            let check = replay_check(&setup, &reqs, &run).unwrap();
+            proptest::prop_assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+            proptest::prop_assert!(check.outcomes_identical);
+            let mut moved = run.clone();
+            moved.steps[0].end_ns += 40_000_000;
+            let check = replay_check(&setup, &reqs, &moved).unwrap();
+            proptest::prop_assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
+        }
+    }
+
+    /// The wall-clock loop on a paced device (the cost model's predicted time / 50, slept on
+    /// the device thread): every request completes, arrivals are admitted while a step is in
+    /// flight (the device holds its first step until one has been, so this does not depend on
+    /// timing), and the record, through JSON, replays with identical plans and outcomes. A
+    /// record with one step's end moved does not.
+    #[test]
+    fn wall_clock_run_replays_exactly() {
+        let f = file();
+        let setup = f.setup(profile()).unwrap();
+        let mut reqs = workload(&f).unwrap();
+        // Arrivals 4x closer (the workload spans 1.7 s): the test takes under half a second.
+        for r in &mut reqs {
+            r.arrival = Nanos(r.arrival.0 / 4);
+        }
+        let device = f.clone();
+        let mut clock = WallClock::<std::convert::Infallible>::spawn(move |probe| {
+            let mut c = cost(&device);
+            let mut first = true;
+            Ok(move |plan: &StepPlan, r: &mut StepReport| {
+                let t = std::time::Instant::now();
+                c.execute(Nanos::ZERO, plan, r);
+                std::thread::sleep(std::time::Duration::from_nanos(r.duration.0 / 50));
+                if std::mem::take(&mut first) {
+                    let give_up = t + std::time::Duration::from_secs(10);
+                    while probe.admitted() == 0 && std::time::Instant::now() < give_up {
+                        std::thread::sleep(std::time::Duration::from_micros(200));
+                    }
+                }
+                // The device's own measurement of the step.
+                r.duration = Nanos(t.elapsed().as_nanos() as u64);
+                Ok(())
+            })
+        })
+        .unwrap();
+        let in_flight = clock.in_flight();
+        let run = drive_on(&setup, &reqs, &mut clock).unwrap();
+        clock.finish().unwrap();
+        assert_eq!(run.clock, ClockKind::Wall);
+        assert!(run.requests.iter().all(|r| r.last_token_ns.is_some()));
+        assert!(run.admitted_in_flight >= 1);
+        assert_eq!(run.admitted_in_flight, in_flight.admitted());
+        for (a, b) in run.steps.iter().zip(run.steps.iter().skip(1)) {
+            assert!(a.start_ns < a.end_ns && a.end_ns <= b.start_ns);
+        }
+        let h = host_overhead(&run);
+        assert_eq!(h.admitted_in_flight, run.admitted_in_flight);
+        assert_eq!(h.steps, run.steps.len());
+        let rec: RunOutcome = serde_json::from_str(&serde_json::to_string(&run).unwrap()).unwrap();
+        let check = replay_check(&setup, &reqs, &rec).unwrap();
+        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+        assert!(check.outcomes_identical);
+        assert_eq!(check.replayed_steps, run.steps.len());
+        let mut moved = rec.clone();
+        let last = moved.steps.len() - 1;
+        moved.steps[last / 2].end_ns += 50_000_000;
+        let check = replay_check(&setup, &reqs, &moved).unwrap();
+        assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
+    }
+
+    /// The report of a wall-clock record states the clock, the host time per step and the
+    /// arrivals admitted in flight; the latency rows use the recorded (wall) times.
+    #[test]
+    fn report_of_a_wall_record_states_clock_and_host_time() {
+        let f = file();
+        let setup = f.setup(profile()).unwrap();
+        let reqs = workload(&f).unwrap();
+        let mut clock = Skewed {
+            cost: cost(&f),
+            now: Nanos::ZERO,
+            host_ns: 1_000_000,
+            post_ns: 0,
+            lag_ns: 0,
+        };
+        let run = drive_on(&setup, &reqs, &mut clock).unwrap();
+        assert!(run.admitted_in_flight >= 1);
+        let rec = Record {
+            config: CONFIG.to_string(),
+            policy_profile: toml::to_string(&profile()).unwrap(),
+            gpu: "paced".into(),
+            date: "d".into(),
+            commit: "c".into(),
+            run: run.clone(),
+        };
+        let a = analyze(&rec, profile()).unwrap();
+        assert_eq!(a.clock, ClockKind::Wall);
+        assert_eq!(a.replay.mismatched_steps, 0);
+        assert_eq!(a.host.steps, run.steps.len());
+        assert!((a.host.sum_ms - run.steps.len() as f64).abs() < 1e-9);
+        assert_eq!(a.host.median_ms, 1.0);
+        let ttft: Vec<f64> = run
+            .requests
+            .iter()
+            .filter_map(|r| r.ttft_ns().map(|t| t as f64 / 1e6))
+            .collect();
+        assert_eq!(a.latency.rows[0].gpu_ms, percentile(&ttft, 0.5));
+        let md = markdown(&a);
+        assert!(md.contains("Clock: **wall**"), "{md}");
+        assert!(
+            md.contains(&format!(
+                "{} of 9 requests were admitted while a step was in flight",
+                run.admitted_in_flight
+            )),
+            "{md}"
+        );
+        assert!(md.contains("median 1.000 ms"), "{md}");
     }
 
     #[test]

@@ -97,7 +97,7 @@ impl KvLayout {
         }
     }
 
-    fn validate(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
+    pub(crate) fn validate(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
         ensure(
             self.row_stride >= shape.num_kv_heads * shape.d_qk && self.row_stride.is_multiple_of(8),
             || {

@@ -48,7 +48,7 @@ pub const BF16_TOL: f64 = 1e-2;
 /// Every kernel check, with inputs drawn from `seed`.
 pub fn run_all(gpu: &GpuContext, seed: u64) -> Vec<Result<CheckResult, (String, KernelError)>> {
     type CheckFn = fn(&GpuContext, u64) -> Result<Vec<CheckResult>, KernelError>;
-    let checks: [(&str, CheckFn); 8] = [
+    let checks: [(&str, CheckFn); 9] = [
         ("paged_attention", crate::attention::check_gpu),
         ("swa_attention", crate::swa::check_gpu),
         ("rmsnorm", crate::norm::check_gpu),
@@ -57,6 +57,7 @@ pub fn run_all(gpu: &GpuContext, seed: u64) -> Vec<Result<CheckResult, (String, 
         ("sampling", crate::sampling::check_gpu),
         ("gemm", crate::gemm::check_gpu),
         ("ops", crate::ops::check_gpu),
+        ("prefill_attention", crate::prefill_attention::check_gpu),
     ];
     let mut out = Vec::new();
     for (i, (name, f)) in checks.iter().enumerate() {

@@ -17,6 +17,7 @@ pub mod gpu;
 pub mod moe;
 pub mod norm;
 pub mod ops;
+pub mod prefill_attention;
 pub mod rope;
 pub mod sampling;
 pub mod sources;

@@ -165,17 +165,20 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
     let ops = Ops::new(gpu)?;
     let s = &gpu.stream;
     let mut r = rng(seed);
-    let (rows, ffn) = (7usize, 300usize);
-    let gu = random_bf16(&mut r, rows * 2 * ffn, 4.0);
-    let mut y = s.clone_htod(&vec![bf16::NAN; rows * ffn])?;
-    ops.silu_mul(gpu, &s.clone_htod(&gu)?, &mut y, rows, ffn)?;
-    let got: Vec<f64> = s.clone_dtoh(&y)?.iter().map(|v| v.to_f64()).collect();
-    let mut out = vec![CheckResult::from_stats(
-        "silu_mul",
-        format!("rows={rows} ffn={ffn}"),
-        ErrorStats::of(&got, &silu_mul_cpu(&gu, ffn)),
-        BF16_TOL,
-    )];
+    let mut out = Vec::new();
+    // 300: the scalar path; 256: the 8-wide vector path.
+    for (rows, ffn) in [(7usize, 300usize), (5, 256)] {
+        let gu = random_bf16(&mut r, rows * 2 * ffn, 4.0);
+        let mut y = s.clone_htod(&vec![bf16::NAN; rows * ffn])?;
+        ops.silu_mul(gpu, &s.clone_htod(&gu)?, &mut y, rows, ffn)?;
+        let got: Vec<f64> = s.clone_dtoh(&y)?.iter().map(|v| v.to_f64()).collect();
+        out.push(CheckResult::from_stats(
+            "silu_mul",
+            format!("rows={rows} ffn={ffn}"),
+            ErrorStats::of(&got, &silu_mul_cpu(&gu, ffn)),
+            BF16_TOL,
+        ));
+    }
     let (a, b) = (
         random_bf16(&mut r, 1000, 2.0),
         random_bf16(&mut r, 1000, 2.0),

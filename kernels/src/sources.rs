@@ -83,6 +83,30 @@ pub fn all_variants() -> Vec<Variant> {
             }
         }
     }
+    for s in [
+        P {
+            num_kv_heads: 4,
+            group: 8,
+            d_qk: 128,
+            d_v: 128,
+            block_size: 128,
+        },
+        P {
+            num_kv_heads: 2,
+            group: 2,
+            d_qk: 256,
+            d_v: 256,
+            block_size: 128,
+        },
+    ] {
+        if let Some(t) = crate::prefill_attention::default_tiles(&s) {
+            v.push((
+                format!("prefill_attention {s:?}"),
+                crate::prefill_attention::SRC.to_string(),
+                crate::prefill_attention::defines(&s, &t),
+            ));
+        }
+    }
     let sw = crate::swa::SwaShape {
         num_kv_heads: 2,
         group: 4,

@@ -15,8 +15,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 use servelab_core::ConfigError;
-use servelab_core::engine::ConfidenceHistogram;
 use servelab_core::engine::dspark::CONFIDENCE_BINS;
+use servelab_core::engine::{ConfidenceHistogram, DecodeSeq, SeqOutcome};
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -148,6 +148,90 @@ pub struct AcceptanceTable {
     /// in L1 and only the cut's bucket reads `rank`.
     bucket: Vec<u8>,
     bin: Vec<u8>,
+    /// Per profile, for rows of at most [`RECORD_DRAFTS`] drafts: what a sequence-step reads
+    /// except the rank buckets, in one cache line that [`Self::step_rank`] prefetches a few
+    /// sequences ahead (the 4,096-profile table does not stay cached between steps).
+    records: Vec<Record>,
+    /// Per profile, with `records`: rank buckets then histogram bins of the drafts.
+    byte_rows: Vec<ByteRow>,
+}
+
+/// A profile's per-draft bytes (`bucket` then `bin`), 16-byte aligned: one cache line of a
+/// 64 KiB table that mostly stays cached.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(16))]
+struct ByteRow([u8; 2 * RECORD_DRAFTS]);
+
+/// Drafts a [`Record`] holds.
+const RECORD_DRAFTS: usize = 5;
+
+/// One profile's row in one cache line. A draw `x` (32 bits, the uniform `x / 2^32`) accepts
+/// draft `i` iff `cum_true[i] > x / 2^32`, i.e. iff `x < ceil(cum_true[i] · 2^32)` (exact: the
+/// scaling is by a power of two): stored as `accept_upto[i] = ceil(…) − 1` (accept iff
+/// `x <= accept_upto[i]`), with the first draft whose ceiling is 0 (never accepted) in
+/// `accept_cap`.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(64))]
+struct Record {
+    cum_conf: [f64; RECORD_DRAFTS],
+    accept_upto: [u32; RECORD_DRAFTS],
+    accept_cap: u8,
+}
+
+/// How many sequences ahead [`AcceptanceTable::step_rank`] prefetches profile records.
+const PREFETCH_AHEAD: usize = 8;
+
+#[inline]
+fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of the x86_64 baseline, and a prefetch never dereferences its
+    // address architecturally: it cannot fault and only warms the cache.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Scratch of [`AcceptanceTable::step_rank`], reused between calls (no allocation per step).
+#[derive(Clone, Debug)]
+pub struct RankScratch {
+    /// Per sequence: uniform word (low 32 bits), profile (bits 32..48), drafts allowed
+    /// (bits 48..56), drafts the uniform accepts out of all `drafts` (bits 56..64).
+    packed: Vec<u64>,
+    keys: Vec<u64>,
+    /// Histogram counts and sums, all zero between calls. The sums go to interleaved lanes
+    /// (consecutive sequences to different lanes, merged at the end as `fill_histogram` does):
+    /// most drafts land in the same few high-confidence bins, and a single accumulator per
+    /// bin would chain every floating-point add on the previous one through memory.
+    count: [u32; CONFIDENCE_BINS],
+    sum: [[f64; CONFIDENCE_BINS]; RankScratch::LANES],
+}
+
+impl RankScratch {
+    const LANES: usize = 4;
+}
+
+impl Default for RankScratch {
+    fn default() -> Self {
+        RankScratch {
+            packed: Vec::new(),
+            keys: Vec::new(),
+            count: [0; CONFIDENCE_BINS],
+            sum: [[0.0; CONFIDENCE_BINS]; RankScratch::LANES],
+        }
+    }
+}
+
+/// What [`AcceptanceTable::step_rank`] reports for one rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankStep {
+    /// KV tokens summed over the rank's sequences.
+    pub kv_tokens: u64,
+    /// KV tokens of the rank's longest sequence.
+    pub max_kv_tokens: u64,
+    /// Drafts verified in total.
+    pub verified: u32,
 }
 
 /// Coarse rank buckets of the split's counting pass: few enough to clear per rank-step, many
@@ -190,11 +274,44 @@ impl AcceptanceTable {
         while (r >> rank_shift) as usize >= RANK_BUCKETS {
             rank_shift += 1;
         }
-        let bucket = rank.iter().map(|&r| (r >> rank_shift) as u8).collect();
-        let bin = cum_conf
+        let bucket: Vec<u8> = rank.iter().map(|&r| (r >> rank_shift) as u8).collect();
+        let bin: Vec<u8> = cum_conf
             .iter()
             .map(|&c| ConfidenceHistogram::bin(c) as u8)
             .collect();
+        let records = if d <= RECORD_DRAFTS {
+            (0..k)
+                .map(|p| {
+                    let mut r = Record {
+                        accept_cap: d as u8,
+                        ..Record::default()
+                    };
+                    for i in (0..d).rev() {
+                        r.cum_conf[i] = cum_conf[p * d + i];
+                        let ceil = (cum_true[p * d + i] * 4_294_967_296.0).ceil() as u64;
+                        match ceil.checked_sub(1) {
+                            Some(upto) => r.accept_upto[i] = upto as u32,
+                            None => r.accept_cap = i as u8,
+                        }
+                    }
+                    r
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let byte_rows = if d <= RECORD_DRAFTS {
+            (0..k)
+                .map(|p| {
+                    let mut r = ByteRow::default();
+                    r.0[..d].copy_from_slice(&bucket[p * d..(p + 1) * d]);
+                    r.0[RECORD_DRAFTS..RECORD_DRAFTS + d].copy_from_slice(&bin[p * d..(p + 1) * d]);
+                    r
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         AcceptanceTable {
             drafts: d,
             profiles: k,
@@ -204,6 +321,222 @@ impl AcceptanceTable {
             rank,
             bucket,
             bin,
+            records,
+            byte_rows,
+        }
+    }
+
+    /// One rank's decode step in two passes over its sequences: draws each sequence's
+    /// (profile, uniform) from `next_word` in order, splits `budget` (None: every sequence
+    /// verifies its `max_drafts`) exactly as [`Self::split`] does, writes each sequence's
+    /// verified and accepted drafts to `out` and the drafts' confidences to `hist` (cleared
+    /// first) exactly as [`Self::fill_histogram`] does. The first pass counts rank buckets and
+    /// fills the histogram; the second takes each sequence's prefix below the cut. Same draws,
+    /// same results as draw + [`Self::split`] + [`Self::accepted`] + [`Self::fill_histogram`],
+    /// without their intermediate vectors and extra passes.
+    pub fn step_rank(
+        &self,
+        seqs: &[DecodeSeq],
+        budget: Option<u32>,
+        next_word: impl FnMut() -> u64,
+        scratch: &mut RankScratch,
+        out: &mut [SeqOutcome],
+        hist: &mut ConfidenceHistogram,
+    ) -> RankStep {
+        // DSpark drafts 5 tokens: with the row length known the per-draft loops unroll.
+        if self.drafts == RECORD_DRAFTS {
+            self.step_rank_d::<RECORD_DRAFTS>(seqs, budget, next_word, scratch, out, hist)
+        } else {
+            self.step_rank_d::<0>(seqs, budget, next_word, scratch, out, hist)
+        }
+    }
+
+    /// [`Self::step_rank`] for rows of `D` drafts read from `records` (`D` = [`RECORD_DRAFTS`]),
+    /// or (`D` = 0) of `self.drafts` drafts read from the per-quantity tables.
+    fn step_rank_d<const D: usize>(
+        &self,
+        seqs: &[DecodeSeq],
+        budget: Option<u32>,
+        mut next_word: impl FnMut() -> u64,
+        scratch: &mut RankScratch,
+        out: &mut [SeqOutcome],
+        hist: &mut ConfidenceHistogram,
+    ) -> RankStep {
+        let d = if D > 0 { D } else { self.drafts };
+        let n = seqs.len();
+        let out = &mut out[..n];
+        hist.clear();
+        let mut bucket_count = [0u32; RANK_BUCKETS];
+        let RankScratch {
+            packed,
+            keys,
+            count,
+            sum,
+        } = scratch;
+        packed.clear();
+        // Draws first (in sequence order, as the unfused path), so the records can be
+        // prefetched ahead of use.
+        for _ in 0..n {
+            let x = next_word();
+            packed.push(x & 0xffff_ffff | u64::from(self.draw_from_word(x).0) << 32);
+        }
+        let profile = |w: u64| ((w >> 32) & 0xffff) as usize;
+        let fetch = |w: u64| {
+            let p = profile(w);
+            if D == RECORD_DRAFTS {
+                prefetch((&raw const self.records[p]).cast());
+                prefetch((&raw const self.byte_rows[p]).cast());
+            } else {
+                prefetch((&raw const self.bucket[p * d]).cast());
+            }
+        };
+        for &w in &packed[..n.min(PREFETCH_AHEAD)] {
+            fetch(w);
+        }
+        let (mut kv, mut total) = (0u64, 0usize);
+        let mut max_kv = 0u32;
+        let dynamic = budget.is_some();
+        // Bins any draft of this step landed in: only those are merged and reset below.
+        let mut touched = 0u64;
+        for s in 0..n {
+            if let Some(&w) = packed.get(s + PREFETCH_AHEAD) {
+                fetch(w);
+            }
+            let q = &seqs[s];
+            let w = packed[s];
+            let m = (q.max_drafts as usize).min(d);
+            kv += u64::from(q.kv_tokens);
+            max_kv = max_kv.max(q.kv_tokens);
+            total += m;
+            let p = profile(w);
+            let (buckets, bins) = if D == RECORD_DRAFTS {
+                self.byte_rows[p].0.split_at(RECORD_DRAFTS)
+            } else {
+                (
+                    &self.bucket[p * d..(p + 1) * d],
+                    &self.bin[p * d..(p + 1) * d],
+                )
+            };
+            let lane = s % RankScratch::LANES;
+            // Entries above `u` are a prefix of the non-increasing row (see `accepted`).
+            let accepts = if D == RECORD_DRAFTS {
+                let r = &self.records[p];
+                let x = w as u32;
+                let n: u8 = r.accept_upto.iter().map(|&t| u8::from(x <= t)).sum();
+                n.min(r.accept_cap)
+            } else {
+                let u = (w & 0xffff_ffff) as f64 / 4_294_967_296.0;
+                self.cum_true[p * d..(p + 1) * d]
+                    .iter()
+                    .map(|&c| u8::from(c > u))
+                    .sum()
+            };
+            packed[s] = w | (m as u64) << 48 | u64::from(accepts) << 56;
+            for i in 0..d {
+                if i < m {
+                    if dynamic {
+                        bucket_count[buckets[i] as usize] += 1;
+                    }
+                    let c = if D == RECORD_DRAFTS {
+                        self.records[p].cum_conf[i]
+                    } else {
+                        self.cum_conf[p * d + i]
+                    };
+                    let b = bins[i] as usize;
+                    touched |= 1 << b;
+                    count[b] += 1;
+                    sum[lane][b] += c;
+                }
+            }
+        }
+        let (hist_count, hist_sum) = (
+            &mut hist.count[..CONFIDENCE_BINS],
+            &mut hist.sum[..CONFIDENCE_BINS],
+        );
+        while touched != 0 {
+            let b = touched.trailing_zeros() as usize;
+            touched &= touched - 1;
+            hist_count[b] += std::mem::take(&mut count[b]);
+            hist_sum[b] += ((sum[0][b] + sum[1][b]) + sum[2][b]) + sum[3][b];
+            for lane in sum.iter_mut() {
+                lane[b] = 0.0;
+            }
+        }
+        hist.seqs += n as u32;
+        let budget = match budget {
+            Some(b) if (b as usize) < total => b as usize,
+            _ => {
+                // Everything allowed is verified.
+                let mut verified = 0u32;
+                for (o, &w) in out.iter_mut().zip(packed.iter()) {
+                    let (m, a) = ((w >> 48) as u8, (w >> 56) as u8);
+                    verified += u32::from(m);
+                    *o = SeqOutcome {
+                        verified: m,
+                        accepted: a.min(m),
+                    };
+                }
+                return RankStep {
+                    kv_tokens: kv,
+                    max_kv_tokens: u64::from(max_kv),
+                    verified,
+                };
+            }
+        };
+        // The cut's bucket, as in `split`.
+        let (mut cut, mut below) = (0usize, 0usize);
+        while cut < RANK_BUCKETS && below + bucket_count[cut] as usize <= budget {
+            below += bucket_count[cut] as usize;
+            cut += 1;
+        }
+        keys.clear();
+        let mut verified = 0u32;
+        for (s, (o, &w)) in out.iter_mut().zip(packed.iter()).enumerate() {
+            let (m, a) = (((w >> 48) & 0xff) as usize, (w >> 56) as u8);
+            let row = if D == RECORD_DRAFTS {
+                &self.byte_rows[profile(w)].0[..RECORD_DRAFTS]
+            } else {
+                &self.bucket[profile(w) * d..(profile(w) + 1) * d]
+            };
+            // Buckets never fall along a sequence: those below the cut are a prefix, and the
+            // ones in the cut's bucket follow it.
+            let mut l = 0u8;
+            let mut at_cut = false;
+            for (i, &b) in row.iter().enumerate() {
+                if i < m {
+                    l += u8::from((b as usize) < cut);
+                    at_cut |= b as usize == cut;
+                }
+            }
+            if at_cut {
+                let base = profile(w) * d;
+                let at = row[..m].iter().enumerate().skip(l as usize);
+                for (i, _) in at.take_while(|&(_, &b)| b as usize == cut) {
+                    keys.push(u64::from(self.rank[base + i]) << 32 | (s as u64) << 8 | i as u64);
+                }
+            }
+            verified += u32::from(l);
+            *o = SeqOutcome {
+                verified: l,
+                accepted: a.min(l),
+            };
+        }
+        let need = budget - below;
+        if need > 0 {
+            keys.select_nth_unstable(need - 1);
+            for &k in &keys[..need] {
+                let s = ((k >> 8) & 0xff_ffff) as usize;
+                let a = (packed[s] >> 56) as u8;
+                let o = &mut out[s];
+                o.verified += 1;
+                o.accepted = a.min(o.verified);
+            }
+            verified += need as u32;
+        }
+        RankStep {
+            kv_tokens: kv,
+            max_kv_tokens: u64::from(max_kv),
+            verified,
         }
     }
 
@@ -408,6 +741,66 @@ mod tests {
             for (a, b) in got.sum.iter().zip(&want.sum) {
                 prop_assert!((a - b).abs() <= 1e-9 * b.abs().max(1.0), "{} vs {}", a, b);
             }
+        }
+
+        /// The fused rank step gives exactly (bit for bit) what the separate draw, split,
+        /// accepted-length and histogram passes give on the same draws, on the 5-draft record
+        /// path and the generic one, with and without a budget, saturated confidences included.
+        #[test]
+        fn step_rank_matches_the_separate_passes(seed in 0u64..1000, drafts in prop_oneof![Just(5u32), 1u32..8],
+                                                 saturated in any::<bool>(),
+                                                 maxes in proptest::collection::vec(0u32..8, 0..70),
+                                                 budget in proptest::option::of(0u32..300), words_seed in any::<u64>()) {
+            let m = if saturated {
+                AcceptanceModel { mean_logit: 30.0, seq_sigma: 20.0, token_sigma: 5.0, profiles: 512, ..Default::default() }
+            } else {
+                AcceptanceModel { profiles: 512, ..Default::default() }
+            };
+            let t = AcceptanceTable::new(&m, drafts, seed);
+            let d = drafts;
+            let seqs: Vec<DecodeSeq> = maxes.iter().enumerate().map(|(i, &x)| DecodeSeq {
+                request: servelab_core::RequestId(i as u64),
+                kv_tokens: 1000 + i as u32,
+                max_drafts: x,
+                slot: i as u32,
+            }).collect();
+            let mut state = words_seed;
+            let mut word = move || {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                state ^ (state >> 29)
+            };
+            let words: Vec<u64> = (0..seqs.len()).map(|_| word()).collect();
+            // Reference: the separate passes.
+            let draws: Vec<(u32, f64)> = words.iter().map(|&w| t.draw_from_word(w)).collect();
+            let prof: Vec<u32> = draws.iter().map(|x| x.0).collect();
+            let lim: Vec<u32> = seqs.iter().map(|s| s.max_drafts.min(d)).collect();
+            let mut lens = vec![0u8; seqs.len()];
+            match budget {
+                Some(b) => t.split(&prof, &lim, b, &mut Vec::new(), &mut lens),
+                None => lens.iter_mut().zip(&lim).for_each(|(l, &x)| *l = x as u8),
+            }
+            let want: Vec<SeqOutcome> = (0..seqs.len()).map(|i| SeqOutcome {
+                verified: lens[i],
+                accepted: t.accepted(prof[i], lens[i], draws[i].1),
+            }).collect();
+            let mut want_hist = ConfidenceHistogram::default();
+            t.fill_histogram(&mut want_hist, &prof, &lim);
+            // Fused, reusing scratch and histogram from an unrelated earlier call.
+            let mut scratch = RankScratch::default();
+            let mut hist = ConfidenceHistogram::default();
+            let mut out = vec![SeqOutcome::default(); seqs.len()];
+            let mut other = words.iter().rev().copied();
+            t.step_rank(&seqs, Some(7), || other.next().unwrap_or(3), &mut scratch, &mut out, &mut hist);
+            let mut it = words.iter().copied();
+            let got = t.step_rank(&seqs, budget, || it.next().expect("one word per sequence"), &mut scratch, &mut out, &mut hist);
+            prop_assert_eq!(&out, &want);
+            prop_assert_eq!(got.verified, lens.iter().map(|&l| u32::from(l)).sum::<u32>());
+            prop_assert_eq!(got.kv_tokens, seqs.iter().map(|s| u64::from(s.kv_tokens)).sum::<u64>());
+            prop_assert_eq!(got.max_kv_tokens, seqs.iter().map(|s| u64::from(s.kv_tokens)).max().unwrap_or(0));
+            prop_assert_eq!(hist.seqs, want_hist.seqs);
+            prop_assert_eq!(&hist.count, &want_hist.count);
+            let bits = |h: &ConfidenceHistogram| h.sum.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&hist), bits(&want_hist));
         }
 
         #[test]

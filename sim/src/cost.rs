@@ -1,7 +1,7 @@
 //! The simulator's [`Backend`]: step durations from a hardware profile, decode acceptance from
 //! the tabulated acceptance model. The GPU engine implements the same trait with kernels.
 
-use crate::acceptance::{AcceptanceModel, AcceptanceTable};
+use crate::acceptance::{AcceptanceModel, AcceptanceTable, RankScratch};
 use crate::profile::HardwareProfile;
 use serde::{Deserialize, Serialize};
 use servelab_core::Nanos;
@@ -44,11 +44,7 @@ pub struct CostModel {
     table: AcceptanceTable,
     swap_in: SwapIn,
     rng: SplitMix64,
-    prof: Vec<u32>,
-    uni: Vec<f64>,
-    maxes: Vec<u32>,
-    lens: Vec<u8>,
-    keys: Vec<u64>,
+    scratch: RankScratch,
 }
 
 impl CostModel {
@@ -69,11 +65,7 @@ impl CostModel {
             table,
             swap_in,
             rng: SplitMix64(servelab_core::seed::sub_seed(seed, "acceptance.draws")),
-            prof: Vec::new(),
-            uni: Vec::new(),
-            maxes: Vec::new(),
-            lens: Vec::new(),
-            keys: Vec::new(),
+            scratch: RankScratch::default(),
         }
     }
     pub fn profile(&self) -> &HardwareProfile {
@@ -106,7 +98,6 @@ impl CostModel {
     }
 
     fn decode(&mut self, plan: &DecodePlan, report: &mut StepReport) -> f64 {
-        let d = self.table.drafts;
         let model = &self.profile.decode;
         report.seqs.clear();
         report.seqs.resize(plan.seqs.len(), SeqOutcome::default());
@@ -115,53 +106,27 @@ impl CostModel {
             .resize_with(plan.ranks.len(), RankOutcome::default);
         let mut slowest = 0.0f64;
         for (r, rp) in plan.ranks.iter().enumerate() {
-            let seqs = &plan.seqs[rp.seq_start as usize..rp.seq_end as usize];
-            let n = seqs.len();
+            let (start, end) = (rp.seq_start as usize, rp.seq_end as usize);
             let hist = &mut report.ranks[r].confidence;
-            hist.clear();
-            if n == 0 {
+            if start == end {
+                hist.clear();
                 continue;
             }
-            self.prof.clear();
-            self.uni.clear();
-            self.maxes.clear();
-            let mut kv = 0u64;
-            for s in seqs {
-                let (p, u) = self.table.draw_from_word(self.rng.next_u64());
-                self.prof.push(p);
-                self.uni.push(u);
-                self.maxes.push(s.max_drafts.min(d as u32));
-                kv += u64::from(s.kv_tokens);
-            }
-            self.lens.resize(n, 0);
-            if plan.dynamic {
-                self.table.split(
-                    &self.prof,
-                    &self.maxes,
-                    rp.verify_budget,
-                    &mut self.keys,
-                    &mut self.lens,
-                );
-            } else {
-                for (l, &m) in self.lens.iter_mut().zip(&self.maxes) {
-                    *l = m as u8;
-                }
-            }
-            let mut verified = 0u32;
-            for i in 0..n {
-                let len = self.lens[i];
-                verified += u32::from(len);
-                let acc = self.table.accepted(self.prof[i], len, self.uni[i]);
-                report.seqs[rp.seq_start as usize + i] = SeqOutcome {
-                    verified: len,
-                    accepted: acc,
-                };
-            }
-            self.table.fill_histogram(hist, &self.prof, &self.maxes);
-            let t = model.predict_ns(
-                n as u32,
-                kv,
-                n as u32 + verified,
+            let rng = &mut self.rng;
+            let step = self.table.step_rank(
+                &plan.seqs[start..end],
+                plan.dynamic.then_some(rp.verify_budget),
+                || rng.next_u64(),
+                &mut self.scratch,
+                &mut report.seqs[start..end],
+                hist,
+            );
+            let n = (end - start) as u32;
+            let t = model.predict_with_max_ns(
+                n,
+                step.kv_tokens,
+                step.max_kv_tokens,
+                n + step.verified,
                 plan.dynamic,
                 plan.expert_imbalance,
             );

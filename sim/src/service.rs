@@ -24,12 +24,12 @@ use crate::profile::HardwareProfile;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use servelab_core::content::{KeyBuildHasher, hash2};
+use servelab_core::content::{KeyBuildHasher, hash2, prefetch_read};
 use servelab_core::engine::prefill_lb::Submitted;
 use servelab_core::engine::{
     Backend, ChunkPolicy, DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy,
     DecodePlan, PrefillBalancer, PrefillEngine, PrefillJob, PrefillLbPolicy, PrefillPlan,
-    QueuedPrefill, Scheduling, SeqEmission, StepPlan, StepReport, VerificationPolicy,
+    QueuedPrefill, Scheduling, StepPlan, StepReport, VerificationPolicy,
 };
 use servelab_core::eplb::{ExpertLoadConfig, ExpertLoadModel, MoeBatch};
 use servelab_core::{
@@ -560,7 +560,31 @@ struct EngineStats {
     kv_weighted: f64,
 }
 
+/// A running decode sequence's emission state, kept beside its slot (a dense array walked in
+/// plan order) rather than in the request table (a cache miss per sequence-step); written back
+/// to the request when it finishes.
+#[derive(Clone, Copy, Debug)]
+struct SeqTrack {
+    request: u32,
+    measured: bool,
+    last_token: Nanos,
+    max_gap: Nanos,
+    emitted: u32,
+}
+
+impl SeqTrack {
+    const NONE: SeqTrack = SeqTrack {
+        request: u32::MAX,
+        measured: false,
+        last_token: Nanos::ZERO,
+        max_gap: Nanos::ZERO,
+        emitted: 0,
+    };
+}
+
 struct DecodeDriver {
+    /// Per slot key of the group ([`DecodeGroup::apply_report_with`]).
+    side: Vec<SeqTrack>,
     plans: [StepPlan; 2],
     report: StepReport,
     in_flight: bool,
@@ -592,7 +616,8 @@ struct Sim<'a> {
     handoff_busy: Vec<Nanos>,
     rng: ChaCha8Rng,
     report: StepReport,
-    emissions: Vec<SeqEmission>,
+    finished_seqs: Vec<u32>,
+    stripe_keys: Vec<BlockKey>,
     finished_jobs: Vec<PrefillJob>,
     /// Jobs built at arrival, waiting for an engine.
     waiting_jobs: HashMap<u64, PrefillJob, KeyBuildHasher>,
@@ -665,6 +690,43 @@ pub fn run(
     sim.finish()
 }
 
+/// [`Nanos::from_secs_f64`], bit for bit, without a call to libm's `round` (88 per fetch):
+/// for positive `v` below 2^63, `v - trunc(v)` is exact, so comparing it with 0.5 rounds half
+/// away from zero as `round` does.
+#[inline]
+fn nanos_from_secs(s: f64) -> Nanos {
+    if s.is_nan() || s <= 0.0 {
+        return Nanos(0);
+    }
+    if s >= u64::MAX as f64 / 1e9 {
+        return Nanos::MAX;
+    }
+    let v = s * 1e9;
+    let t = v as u64;
+    Nanos(t + u64::from(v - t as f64 >= 0.5))
+}
+
+/// The `k`-th smallest of `xs` (1-based), which it may reorder. A stripe read is done at its
+/// `data`-th of `data + 1` answers: the largest or second largest, found in one pass.
+fn kth_smallest(xs: &mut [Nanos], k: usize) -> Nanos {
+    if k == xs.len() {
+        return xs.iter().copied().max().unwrap_or(Nanos::ZERO);
+    }
+    if k + 1 == xs.len() {
+        let (mut hi, mut second) = (Nanos::ZERO, Nanos::ZERO);
+        for &x in xs.iter() {
+            if x > hi {
+                second = hi;
+                hi = x;
+            } else if x > second {
+                second = x;
+            }
+        }
+        return second;
+    }
+    *xs.select_nth_unstable(k - 1).1
+}
+
 fn empty_decode_plan() -> StepPlan {
     StepPlan::Decode(DecodePlan {
         engine: EngineId(0),
@@ -704,18 +766,16 @@ impl<'a> Sim<'a> {
         let mut decode = Vec::new();
         let mut groups = Vec::new();
         for g in 0..cfg.decode.groups {
-            groups.push(DecodeGroup::new(
-                EngineId(g),
-                cfg.group_config(),
-                profile.decode.clone(),
-            )?);
+            let group = DecodeGroup::new(EngineId(g), cfg.group_config(), profile.decode.clone())?;
             decode.push(DecodeDriver {
+                side: vec![SeqTrack::NONE; group.slot_keys() as usize],
                 plans: [empty_decode_plan(), empty_decode_plan()],
                 report: StepReport::default(),
                 in_flight: false,
                 next_built: false,
                 first_rank_gpu: g * cfg.decode.ranks,
             });
+            groups.push(group);
         }
         let backend = CostModel::new(profile, &cfg.acceptance, c.draft_tokens, cfg.swap_in, seed);
         let prefill_machines = cfg.prefill.gpus.div_ceil(cfg.prefill.gpus_per_machine);
@@ -778,7 +838,8 @@ impl<'a> Sim<'a> {
             handoff_busy: vec![Nanos::ZERO; prefill_machines as usize],
             rng: ChaCha8Rng::seed_from_u64(servelab_core::seed::sub_seed(seed, "service.fetch")),
             report: StepReport::default(),
-            emissions: Vec::new(),
+            finished_seqs: Vec::new(),
+            stripe_keys: Vec::new(),
             finished_jobs: Vec::new(),
             waiting_jobs: HashMap::default(),
             loads: vec![0.0; cfg.prefill.gpus as usize],
@@ -955,7 +1016,32 @@ impl<'a> Sim<'a> {
         self.sample_row(i);
     }
 
+    /// Before writing several requests' blocks: starts loading their chain headers, then the
+    /// keys below `upto` tokens, so the cache misses of the whole batch overlap.
+    fn prefetch_chains(
+        &self,
+        reqs: impl Iterator<Item = usize> + Clone,
+        upto: impl Fn(&Request) -> u32,
+    ) {
+        for i in reqs.clone() {
+            prefetch_read(std::sync::Arc::as_ptr(&self.reqs[i].content));
+        }
+        for i in reqs {
+            let r = &self.reqs[i];
+            r.content.prefetch_blocks(0..upto(r));
+        }
+    }
+
     fn arrive(&mut self, now: Nanos, i: usize) {
+        // The trace's chains were built long ago and are cold: start loading the next
+        // arrivals' chain headers, and the keys the next one will look up (its prompt's last
+        // blocks), two and one arrival ahead.
+        if let Some(r) = self.reqs.get(i + 2) {
+            prefetch_read(std::sync::Arc::as_ptr(&r.content));
+        }
+        if let Some(r) = self.reqs.get(i + 1) {
+            r.content.prefetch_blocks(0..r.prompt_tokens);
+        }
         let r = &self.reqs[i];
         let c = &self.cfg.constants;
         self.pending += 1;
@@ -1130,24 +1216,30 @@ impl<'a> Sim<'a> {
         let transfer = Nanos::from_secs_f64(per_node / f.node_read_bytes_per_s);
         let mut done = now;
         let mut answers = [Nanos::ZERO; 64];
-        for s in 0..stripes {
-            let key = keys
-                .get(s * keys.len() / stripes)
+        // The stripes' keys sit far apart in a long chain: load them all before the loop
+        // below, so their cache misses overlap instead of stalling one stripe each.
+        let mut stripe_keys = std::mem::take(&mut self.stripe_keys);
+        stripe_keys.clear();
+        stripe_keys.extend((0..stripes).map(|s| {
+            keys.get(s * keys.len() / stripes)
                 .copied()
-                .unwrap_or(BlockKey(r.id.0));
+                .unwrap_or(BlockKey(r.id.0))
+        }));
+        for &key in &stripe_keys {
             for (a, node) in self.store.placement_nodes(key).take(ask).enumerate() {
                 let busy = &mut self.node_busy[node.0 as usize];
                 let start = (*busy).max(now);
                 *busy = start + transfer;
                 // Ziggurat sampling: almost never a logarithm (88 draws per fetch).
                 let x: f64 = self.rng.sample(rand_distr::Exp1);
-                let tail = Nanos::from_secs_f64(x * f.tail_mean.as_secs_f64());
+                let tail = nanos_from_secs(x * f.tail_mean.as_secs_f64());
                 answers[a.min(63)] = *busy + f.latency + tail;
             }
             let got = &mut answers[..ask.min(64)];
-            let (_, at, _) = got.select_nth_unstable(data.min(got.len()) - 1);
-            done = done.max(*at);
+            let k = data.min(got.len());
+            done = done.max(kth_smallest(got, k));
         }
+        self.stripe_keys = stripe_keys;
         done
     }
 
@@ -1212,6 +1304,9 @@ impl<'a> Sim<'a> {
         self.prefill[e].complete_step(plan, &mut done);
         let c = self.cfg.constants.clone();
         let machine = MachineId(e as u32 / self.cfg.prefill.gpus_per_machine);
+        self.prefetch_chains(done.iter().map(|j| j.request.0 as usize), |r| {
+            r.prompt_tokens
+        });
         for job in &done {
             let i = job.request.0 as usize;
             let r = &self.reqs[i];
@@ -1367,47 +1462,74 @@ impl<'a> Sim<'a> {
 
     fn decode_done(&mut self, now: Nanos, g: usize) {
         let asynchronous = self.cfg.decode.scheduling == Scheduling::Async;
-        {
-            let d = &mut self.decode[g];
-            let group = &mut self.groups[g];
-            if asynchronous {
-                // The CPU built step N+1 while step N ran, before knowing N's acceptances.
-                let StepPlan::Decode(p) = &mut d.plans[1] else {
-                    unreachable!("decode plan")
-                };
-                group.plan_step(p);
-                d.next_built = !p.seqs.is_empty();
-            }
-            let StepPlan::Decode(p) = &d.plans[0] else {
+        // Credited to the step's start, like its busy time.
+        let steady = self.in_steady(now - self.decode[g].report.duration);
+        let d = &mut self.decode[g];
+        let group = &mut self.groups[g];
+        if asynchronous {
+            // The CPU built step N+1 while step N ran, before knowing N's acceptances.
+            let StepPlan::Decode(p) = &mut d.plans[1] else {
                 unreachable!("decode plan")
             };
-            group.apply_report(p, &d.report, &mut self.emissions);
+            group.plan_step(p);
+            d.next_built = !p.seqs.is_empty();
         }
-        let emissions = std::mem::take(&mut self.emissions);
-        // Credited to the step's start, like its busy time.
-        if self.in_steady(now - self.decode[g].report.duration) {
-            self.steady.decode_emissions += emissions.len() as u64;
-            self.steady.decode_tokens += emissions.iter().map(|e| u64::from(e.tokens)).sum::<u64>();
-        }
-        for e in &emissions {
+        let StepPlan::Decode(p) = &d.plans[0] else {
+            unreachable!("decode plan")
+        };
+        let (warmup, until) = (self.cfg.warmup, self.cfg.measure_until);
+        let (reqs, state, side) = (self.reqs, &mut self.state, &mut d.side);
+        let gaps = &mut self.lat.gap_ns;
+        let finished = &mut self.finished_seqs;
+        finished.clear();
+        let (mut emissions, mut tokens, mut measured_tokens) = (0u64, 0u64, 0u64);
+        group.apply_report_taking(p, &mut d.report, |k, e| {
             let i = e.request.0 as usize;
-            let st = &mut self.state[i];
-            let gap = now - st.last_token;
-            st.max_gap = st.max_gap.max(gap);
-            st.last_token = now;
-            st.emitted += e.tokens;
-            self.decode_stats[g].tokens += u64::from(e.tokens);
-            self.cur_decode_tokens += u64::from(e.tokens);
-            self.seq_steps += 1;
-            if self.measured(i) {
-                self.lat.gap_ns.record(gap.0);
-                self.tokens[3] += u64::from(e.tokens);
+            let t = &mut side[k as usize];
+            if t.request != i as u32 {
+                // The sequence's first step: its running state moves next to its slot.
+                let st = &state[i];
+                let a = reqs[i].arrival;
+                *t = SeqTrack {
+                    request: i as u32,
+                    measured: a >= warmup && until.is_none_or(|m| a < m),
+                    last_token: st.last_token,
+                    max_gap: st.max_gap,
+                    emitted: st.emitted,
+                };
+            }
+            let gap = now - t.last_token;
+            t.max_gap = t.max_gap.max(gap);
+            t.last_token = now;
+            t.emitted += e.tokens;
+            emissions += 1;
+            tokens += u64::from(e.tokens);
+            if t.measured {
+                gaps.record(gap.0);
+                measured_tokens += u64::from(e.tokens);
             }
             if e.finished {
-                self.complete(now, i);
+                let st = &mut state[i];
+                st.last_token = t.last_token;
+                st.max_gap = t.max_gap;
+                st.emitted = t.emitted;
+                finished.push(i as u32);
             }
+        });
+        if steady {
+            self.steady.decode_emissions += emissions;
+            self.steady.decode_tokens += tokens;
         }
-        self.emissions = emissions;
+        self.decode_stats[g].tokens += tokens;
+        self.cur_decode_tokens += tokens;
+        self.seq_steps += emissions;
+        self.tokens[3] += measured_tokens;
+        let finished = std::mem::take(&mut self.finished_seqs);
+        self.prefetch_chains(finished.iter().map(|&i| i as usize), |r| r.context_tokens());
+        for &i in &finished {
+            self.complete(now, i as usize);
+        }
+        self.finished_seqs = finished;
         self.decode[g].in_flight = false;
         let start = if asynchronous {
             now
@@ -1678,5 +1800,32 @@ impl<'a> Sim<'a> {
             series: self.series,
             engines,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn nanos_from_secs_matches_nanos(s in prop_oneof![0.0..1e-3f64, 0.0..1e3f64, -1.0..1e11f64],
+                                         half in 0u64..1_000_000) {
+            prop_assert_eq!(nanos_from_secs(s), Nanos::from_secs_f64(s));
+            // Exact halves of a nanosecond round away from zero.
+            let h = (half as f64 + 0.5) / 1e9;
+            prop_assert_eq!(nanos_from_secs(h), Nanos::from_secs_f64(h));
+        }
+
+        /// The one-pass largest / second largest agrees with sorting, duplicates included.
+        #[test]
+        fn kth_smallest_matches_sorting(xs in proptest::collection::vec(0u64..20, 1..14), pick in 0usize..3) {
+            let mut v: Vec<Nanos> = xs.iter().map(|&x| Nanos(x)).collect();
+            let mut sorted = v.clone();
+            sorted.sort();
+            let k = v.len().saturating_sub(pick).max(1);
+            prop_assert_eq!(kth_smallest(&mut v, k), sorted[k - 1]);
+        }
     }
 }

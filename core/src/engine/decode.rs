@@ -10,7 +10,7 @@ use crate::engine::dspark::{
     BudgetInputs, BudgetScope, ConfidenceHistogram, DecodeTimeModel, VerificationPolicy,
     budget_within, choose_budget,
 };
-use crate::engine::plan::{DecodePlan, DecodeRankPlan, DecodeSeq, StepReport};
+use crate::engine::plan::{DecodePlan, DecodeRankPlan, DecodeSeq, SeqOutcome, StepReport};
 use crate::engine::vote::GroupVote;
 use crate::error::ConfigError;
 use crate::ids::{EngineId, RequestId};
@@ -53,6 +53,12 @@ impl DecodeGroupConfig {
         if self.max_seqs_per_rank == 0 {
             return bad("max_seqs_per_rank", "must be positive");
         }
+        if u64::from(self.ranks) * u64::from(self.max_seqs_per_rank) > u64::from(u32::MAX) {
+            return bad(
+                "max_seqs_per_rank",
+                "ranks × max_seqs_per_rank must be below 2^32 (slots are numbered in 32 bits)",
+            );
+        }
         if self.kv_capacity_tokens_per_rank == 0 {
             return bad("kv_capacity_tokens_per_rank", "must be positive");
         }
@@ -73,11 +79,16 @@ impl DecodeGroupConfig {
 struct Seq {
     request: RequestId,
     kv_tokens: u32,
-    /// Tokens still to emit.
+    /// Tokens still to emit. The KV reserved for the whole context is `kv_tokens + remaining`
+    /// (emitting moves tokens from one to the other), so it is not stored: 24-byte slots.
     remaining: u32,
-    /// KV reserved for the whole context.
-    reserved: u64,
     done: bool,
+}
+
+impl Seq {
+    fn reserved(&self) -> u64 {
+        u64::from(self.kv_tokens) + u64::from(self.remaining)
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -248,7 +259,7 @@ impl DecodeGroup {
                     rank.slots[i] = None;
                     rank.free.push(i as u32);
                     rank.active -= 1;
-                    rank.reserved -= s.reserved;
+                    rank.reserved -= s.reserved();
                     rank.kv_tokens -= u64::from(s.kv_tokens);
                 }
             }
@@ -267,7 +278,6 @@ impl DecodeGroup {
                     request: w.request,
                     kv_tokens: w.kv_tokens,
                     remaining: w.remaining,
-                    reserved: need,
                     done: false,
                 };
                 match rank.free.pop() {
@@ -391,16 +401,71 @@ impl DecodeGroup {
         out: &mut Vec<SeqEmission>,
     ) {
         out.clear();
+        self.apply_report_with(plan, report, |_, e| out.push(e));
+    }
+
+    /// [`Self::apply_report`] handing each emission to `emit` with its sequence's slot key
+    /// `rank × max_seqs_per_rank + slot` (below [`Self::slot_keys`]), in the same order. The
+    /// key names the sequence while it runs, so a caller can keep per-sequence state in a
+    /// dense array instead of looking it up by request.
+    pub fn apply_report_with(
+        &mut self,
+        plan: &DecodePlan,
+        report: &StepReport,
+        emit: impl FnMut(u32, SeqEmission),
+    ) {
+        self.apply(
+            plan,
+            &report.seqs,
+            |r, seen| {
+                if let Some(o) = report.ranks.get(r)
+                    && o.confidence.seqs > 0
+                {
+                    seen.clone_from(&o.confidence);
+                }
+            },
+            emit,
+        );
+    }
+
+    /// [`Self::apply_report_with`] that moves each rank's confidences out of `report` instead
+    /// of copying them (64 histograms a step): `report.ranks` is left with stale histograms,
+    /// which the backend's next `execute` overwrites.
+    pub fn apply_report_taking(
+        &mut self,
+        plan: &DecodePlan,
+        report: &mut StepReport,
+        emit: impl FnMut(u32, SeqEmission),
+    ) {
+        let StepReport { seqs, ranks, .. } = report;
+        self.apply(
+            plan,
+            seqs,
+            |r, seen| {
+                if let Some(o) = ranks.get_mut(r)
+                    && o.confidence.seqs > 0
+                {
+                    std::mem::swap(seen, &mut o.confidence);
+                }
+            },
+            emit,
+        );
+    }
+
+    fn apply(
+        &mut self,
+        plan: &DecodePlan,
+        outcomes: &[SeqOutcome],
+        mut confidences: impl FnMut(usize, &mut ConfidenceHistogram),
+        mut emit: impl FnMut(u32, SeqEmission),
+    ) {
+        let max = self.cfg.max_seqs_per_rank;
         for (r, rp) in plan.ranks.iter().enumerate() {
             let rank = &mut self.ranks[r];
-            if let Some(o) = report.ranks.get(r)
-                && o.confidence.seqs > 0
-            {
-                rank.seen.clone_from(&o.confidence);
-            }
+            confidences(r, &mut rank.seen);
             for i in rp.seq_start as usize..rp.seq_end as usize {
-                let e = plan.seqs[i];
-                let outcome = report.seqs.get(i).copied().unwrap_or_default();
+                let e = &plan.seqs[i];
+                let outcome = outcomes.get(i).copied().unwrap_or_default();
                 let slot = rank.slots.get_mut(e.slot as usize).and_then(Option::as_mut);
                 let Some(s) = slot.filter(|s| s.request == e.request && !s.done) else {
                     self.wasted_slots += 1;
@@ -412,13 +477,21 @@ impl DecodeGroup {
                 rank.kv_tokens += u64::from(tokens);
                 s.done = s.remaining == 0;
                 rank.finished += u32::from(s.done);
-                out.push(SeqEmission {
-                    request: e.request,
-                    tokens,
-                    finished: s.done,
-                });
+                emit(
+                    r as u32 * max + e.slot,
+                    SeqEmission {
+                        request: e.request,
+                        tokens,
+                        finished: s.done,
+                    },
+                );
             }
         }
+    }
+
+    /// Slot keys of [`Self::apply_report_with`] lie below this.
+    pub fn slot_keys(&self) -> u32 {
+        self.cfg.ranks * self.cfg.max_seqs_per_rank
     }
 
     /// KV and slot accounting agrees with the sequences held, and no rank exceeds its limits.
@@ -435,7 +508,7 @@ impl DecodeGroup {
                 ));
             }
             let kv: u64 = live.iter().map(|s| u64::from(s.kv_tokens)).sum();
-            let reserved: u64 = live.iter().map(|s| s.reserved).sum();
+            let reserved: u64 = live.iter().map(|s| s.reserved()).sum();
             if kv != r.kv_tokens || reserved != r.reserved || kv > reserved {
                 return Err(format!(
                     "decode rank {i}: KV accounting drifted ({kv} held, {} counted)",
@@ -547,6 +620,8 @@ mod tests {
             dynamic_overhead_ns: 0.0,
             moe_share: 0.0,
             reference_imbalance: 1.0,
+            per_max_kv_token_ns: 0.0,
+            active_experts: None,
         }
     }
     fn cfg(
@@ -719,6 +794,50 @@ mod tests {
         g.apply_report(&p, &rep, &mut out);
         g.plan_step(&mut p);
         p.ranks.iter().map(|r| r.verify_budget).collect()
+    }
+
+    /// Taking the confidences out of the report and handing emissions with slot keys gives
+    /// the same emissions, the same later plans and distinct keys below `slot_keys`.
+    #[test]
+    fn taking_apply_matches_apply_report() {
+        let pol = VerificationPolicy::Dynamic {
+            min_seqs_per_rank: 0,
+            vote: VoteMode::All,
+            confirmation_rounds: 0,
+            budget: BudgetScope::Group,
+        };
+        let mut a = DecodeGroup::new(EngineId(0), cfg(2, pol, Scheduling::Sync), model()).unwrap();
+        for (r, id, out) in [(0, 1, 9), (0, 2, 3), (1, 3, 20), (1, 4, 2)] {
+            a.admit(r, RequestId(id), 10, out).unwrap();
+        }
+        let mut b = a.clone();
+        let (mut pa, mut pb) = (empty(), empty());
+        let (mut out, mut keys) = (vec![], vec![]);
+        for step in 0..6u8 {
+            a.plan_step(&mut pa);
+            b.plan_step(&mut pb);
+            assert_eq!(pa, pb);
+            let mut rep = report(&pa, step % 3);
+            for (r, h) in rep.ranks.iter_mut().enumerate() {
+                h.confidence
+                    .add(&[0.9, 0.5 - 0.1 * f64::from(step), 0.1], r as u32 + 1);
+            }
+            a.apply_report(&pa, &rep, &mut out);
+            let mut got = vec![];
+            b.apply_report_taking(&pb, &mut rep, |k, e| {
+                keys.push(k);
+                got.push(e);
+            });
+            assert_eq!(got, out);
+            assert!(keys.iter().all(|&k| k < b.slot_keys()));
+            let n = keys.len();
+            keys.sort_unstable();
+            keys.dedup();
+            assert_eq!(keys.len(), n, "one key per running sequence");
+            keys.clear();
+        }
+        assert_eq!(a.wasted_slots(), b.wasted_slots());
+        b.check_invariants().unwrap();
     }
 
     #[test]

@@ -99,14 +99,90 @@ pub struct DecodeTimeModel {
     pub moe_share: f64,
     /// Imbalance the profile was measured at (SPEC §9: 1.09 for EP64 decode).
     pub reference_imbalance: f64,
+    /// Per KV token of the step's longest sequence: the critical path of a partly occupied
+    /// GPU, where the longest sequence's attention finishes last (0: not modelled).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub per_max_kv_token_ns: f64,
+    /// Cost per expert the step activates (absent: none). A small step touches few experts;
+    /// each one it touches costs its weight reads and launches whatever its token count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_experts: Option<ActiveExpertTerm>,
+}
+
+/// The decode step's cost per distinct expert its query tokens route to. With `experts`
+/// routed experts per rank and `top_k` picks per token, uniform routing activates
+/// `E·(1 − (1 − k/E)^N)` experts in expectation for N query tokens: 2 for one token and all 8
+/// by about 16 tokens on an 8-expert top-2 model, which is why a 1-sequence step on the H200
+/// backend grows by ~0.65 ms per extra verified token and a 64-sequence step by ~0.03 ms.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActiveExpertTerm {
+    pub per_expert_ns: f64,
+    pub experts: u32,
+    pub top_k: u32,
+}
+
+impl ActiveExpertTerm {
+    /// Expected distinct experts `query_tokens` tokens activate.
+    pub fn expected_active(&self, query_tokens: u32) -> f64 {
+        let e = f64::from(self.experts);
+        let miss = 1.0 - f64::from(self.top_k) / e;
+        e * (1.0 - miss.powi(query_tokens as i32))
+    }
+
+    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+        if !(self.per_expert_ns.is_finite() && self.per_expert_ns >= 0.0) {
+            return Err(ConfigError::invalid(
+                format!("{field}.per_expert_ns"),
+                format!(
+                    "{} must be a finite non-negative number",
+                    self.per_expert_ns
+                ),
+            ));
+        }
+        if self.top_k == 0 || self.top_k > self.experts {
+            return Err(ConfigError::invalid(
+                format!("{field}.top_k"),
+                format!(
+                    "{} must be at least 1 and at most experts ({})",
+                    self.top_k, self.experts
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 impl DecodeTimeModel {
-    /// Predicted step time of one rank, nanoseconds.
+    /// Predicted step time of one rank, nanoseconds, when only the KV total is known: the
+    /// longest sequence is taken to hold the mean (what a scheduler choosing a verification
+    /// budget needs; the term does not depend on the budget).
     pub fn predict_ns(
         &self,
         seqs: u32,
         kv_tokens: u64,
+        query_tokens: u32,
+        dynamic: bool,
+        imbalance: f64,
+    ) -> f64 {
+        let mean = if seqs == 0 {
+            0
+        } else {
+            kv_tokens.div_ceil(u64::from(seqs))
+        };
+        self.predict_with_max_ns(seqs, kv_tokens, mean, query_tokens, dynamic, imbalance)
+    }
+
+    /// Predicted step time of one rank, nanoseconds, knowing its longest sequence's KV tokens.
+    pub fn predict_with_max_ns(
+        &self,
+        seqs: u32,
+        kv_tokens: u64,
+        max_kv_tokens: u64,
         query_tokens: u32,
         dynamic: bool,
         imbalance: f64,
@@ -120,12 +196,17 @@ impl DecodeTimeModel {
         self.base_ns
             + self.per_seq_ns * f64::from(seqs)
             + self.per_kv_token_ns * kv_tokens as f64
+            + self.per_max_kv_token_ns * max_kv_tokens as f64
             + token * scale
             + if dynamic {
                 self.dynamic_overhead_ns
             } else {
                 0.0
             }
+            + self
+                .active_experts
+                .as_ref()
+                .map_or(0.0, |a| a.per_expert_ns * a.expected_active(query_tokens))
     }
 
     pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
@@ -133,6 +214,7 @@ impl DecodeTimeModel {
             ("base_ns", self.base_ns),
             ("per_seq_ns", self.per_seq_ns),
             ("per_kv_token_ns", self.per_kv_token_ns),
+            ("per_max_kv_token_ns", self.per_max_kv_token_ns),
             ("per_token_ns", self.per_token_ns),
             ("per_token_sq_ns", self.per_token_sq_ns),
             ("dynamic_overhead_ns", self.dynamic_overhead_ns),
@@ -149,6 +231,9 @@ impl DecodeTimeModel {
                 format!("{field}.base_ns"),
                 "a step must take some time",
             ));
+        }
+        if let Some(a) = &self.active_experts {
+            a.validate(&format!("{field}.active_experts"))?;
         }
         super::validate_moe(field, self.moe_share, self.reference_imbalance)
     }
@@ -314,6 +399,8 @@ mod tests {
             dynamic_overhead_ns: 0.0,
             moe_share: 0.0,
             reference_imbalance: 1.0,
+            per_max_kv_token_ns: 0.0,
+            active_experts: None,
         }
     }
 
@@ -404,6 +491,36 @@ mod tests {
             imbalance: 1.0,
         };
         assert_eq!(choose_budget(&model(), &h, at), 60);
+    }
+
+    #[test]
+    fn active_expert_term_counts_expected_distinct_experts() {
+        let m = DecodeTimeModel {
+            per_max_kv_token_ns: 0.0,
+            active_experts: Some(ActiveExpertTerm {
+                per_expert_ns: 100.0,
+                experts: 8,
+                top_k: 2,
+            }),
+            ..model()
+        };
+        // one token picks 2 of 8 experts; two tokens miss a given expert with (6/8)² = 9/16,
+        // so 8 × 7/16 = 3.5 experts are active.
+        assert_eq!(m.predict_ns(1, 0, 1, false, 1.0), 1000.0 + 100.0 + 200.0);
+        assert_eq!(m.predict_ns(1, 0, 2, false, 1.0), 1000.0 + 200.0 + 350.0);
+        // many tokens: every expert
+        assert!((m.predict_ns(1, 0, 200, false, 1.0) - (1000.0 + 20_000.0 + 800.0)).abs() < 1e-6);
+        let bad = DecodeTimeModel {
+            per_max_kv_token_ns: 0.0,
+            active_experts: Some(ActiveExpertTerm {
+                per_expert_ns: 100.0,
+                experts: 2,
+                top_k: 3,
+            }),
+            ..model()
+        };
+        let e = bad.validate("decode").unwrap_err().to_string();
+        assert!(e.contains("decode.active_experts.top_k"), "{e}");
     }
 
     #[test]

@@ -16,7 +16,9 @@ pub mod vote;
 pub use decode::{
     DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy, Scheduling, SeqEmission,
 };
-pub use dspark::{BudgetScope, ConfidenceHistogram, DecodeTimeModel, VerificationPolicy};
+pub use dspark::{
+    ActiveExpertTerm, BudgetScope, ConfidenceHistogram, DecodeTimeModel, VerificationPolicy,
+};
 pub use plan::{
     Backend, DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk, PrefillPlan, RankOutcome,
     SeqOutcome, StepPlan, StepReport,

@@ -5,6 +5,7 @@
 //! Rust toolchain, `servelab-gpu` (hw/README.md) runs the same commands.
 
 use anyhow::{Result, anyhow};
+use servelab_hw::clock::ClockKind;
 use servelab_hw::commands::{
     self, CalibrateOptions, CommandError, ConformanceOptions, RefitOptions,
 };
@@ -40,6 +41,13 @@ pub enum HwCommand {
         /// Driver version written into the profile's header (as nvidia-smi reports it).
         #[arg(long)]
         driver: Option<String>,
+        /// A conformance config whose workload (run under --workload-seed) joins the fit, so
+        /// the profile sees the step shapes of a running engine as well as the grid.
+        #[arg(long)]
+        workload: Option<PathBuf>,
+        /// Seed of that workload run (default: the config's seed + 1).
+        #[arg(long)]
+        workload_seed: Option<u64>,
     },
     /// Run a workload through the same policies on the GPU and in the simulator (SPEC §16):
     /// decisions replayed plan by plan, step-time error, TTFT/TPOT distributions.
@@ -55,6 +63,12 @@ pub enum HwCommand {
         /// Analyse the record of an earlier GPU run instead of running the GPU (no GPU needed).
         #[arg(long)]
         record: Option<PathBuf>,
+        /// Clock of the GPU run: `wall` (arrivals released in real time and admitted while the
+        /// device runs a step on its own thread) or `virtual` (time moves by the CUDA-event
+        /// durations). The free-running simulation always uses the virtual clock; a record
+        /// carries its own.
+        #[arg(long, value_enum, default_value_t = ClockKind::Wall)]
+        clock: ClockKind,
         #[arg(long, default_value = "unknown")]
         date: String,
         #[arg(long, default_value = "unknown")]
@@ -195,6 +209,8 @@ pub fn run(args: Args) -> Result<()> {
             date,
             commit,
             driver,
+            workload,
+            workload_seed,
         } => {
             let o = CalibrateOptions {
                 out: out.clone(),
@@ -204,6 +220,8 @@ pub fn run(args: Args) -> Result<()> {
                 date,
                 commit,
                 driver,
+                workload,
+                workload_seed,
             };
             commands::calibrate(gpu()?, &o, &mut log).map_err(wrap)?;
             println!("wrote {}", out.display());
@@ -213,6 +231,7 @@ pub fn run(args: Args) -> Result<()> {
             out,
             profile,
             record,
+            clock,
             date,
             commit,
             prefix,
@@ -222,6 +241,7 @@ pub fn run(args: Args) -> Result<()> {
                 out,
                 profile,
                 record,
+                clock,
                 date,
                 commit,
                 prefix,
@@ -298,6 +318,7 @@ mod tests {
                 out: std::env::temp_dir(),
                 profile: None,
                 record: Some(PathBuf::from("/nonexistent/record.json")),
+                clock: ClockKind::Wall,
                 date: "d".into(),
                 commit: "c".into(),
                 prefix: String::new(),

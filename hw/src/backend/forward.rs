@@ -1,18 +1,28 @@
 //! The forward pass of prefill and decode plans (see the module docs of `backend`).
 
-use cudarc::driver::CudaSlice;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView};
 use half::bf16;
 use servelab_core::engine::plan::{DecodePlan, PrefillPlan};
 use servelab_kernels::GpuContext;
 use servelab_kernels::attention::{BlockTables, DeviceRows, KvLayout, QueryRows};
 use servelab_kernels::gemm::{linear_bf16, linear_bf16_beta};
+use servelab_kernels::prefill_attention::PrefillRows;
 use servelab_kernels::swa::SwaRange;
 
 use super::model::{LayerWeights, ModelShape};
 use super::{BackendError, CudaBackend, Kernels, Moves};
 
-/// Per-step activations, sized for `t` tokens.
-struct Scratch {
+/// Per-step activations, sized for up to `tokens` tokens and `kbuf_rows` SWA key rows. The
+/// backend keeps the largest one between steps ([`take_scratch`]): allocating and zeroing
+/// ~1.7 GB of activations each step cost ~1 ms of a 8K-token SPEC-shaped prefill step. Every
+/// element a step reads, it writes first.
+pub(crate) struct Scratch {
+    tokens: usize,
+    kbuf_rows: usize,
     h: CudaSlice<bf16>,
     xn: CudaSlice<bf16>,
     q: CudaSlice<bf16>,
@@ -39,6 +49,8 @@ impl Scratch {
         let t1 = t.max(1);
         let tk = t1 * m.top_k;
         Ok(Self {
+            tokens: t,
+            kbuf_rows,
             h: s.alloc_zeros(t1 * m.hidden)?,
             xn: s.alloc_zeros(t1 * m.hidden)?,
             q: s.alloc_zeros(t1 * m.q_dim())?,
@@ -47,13 +59,82 @@ impl Scratch {
             rl_bf: s.alloc_zeros(t1 * m.experts)?,
             rl_f: s.alloc_zeros(t1 * m.experts)?,
             xs: s.alloc_zeros(tk * m.hidden)?,
-            gu: s.alloc_zeros(tk * 2 * m.expert_ffn)?,
-            act: s.alloc_zeros(tk * m.expert_ffn)?,
+            gu: s.alloc_zeros((tk * 2 * m.expert_ffn).max(t1 * 2 * m.shared_ffn))?,
+            act: s.alloc_zeros((tk * m.expert_ffn).max(t1 * m.shared_ffn))?,
             ys: s.alloc_zeros(tk * m.hidden)?,
             moe_out: s.alloc_zeros(t1 * m.hidden)?,
             kbuf: s.alloc_zeros(kbuf_rows.max(1) * m.kv_row())?,
         })
     }
+}
+
+/// The backend's kept scratch if it holds `t` tokens and `kbuf_rows` key rows, else a new one
+/// large enough for both (the old one is freed first).
+fn take_scratch(b: &mut CudaBackend, t: usize, kbuf_rows: usize) -> Result<Scratch, BackendError> {
+    match b.scratch.take() {
+        Some(sc) if sc.tokens >= t && sc.kbuf_rows >= kbuf_rows => Ok(sc),
+        old => {
+            let (t0, k0) = old.as_ref().map_or((0, 0), |o| (o.tokens, o.kbuf_rows));
+            drop(old);
+            Scratch::new(&b.gpu, &b.cfg.model, t.max(t0), kbuf_rows.max(k0))
+        }
+    }
+}
+
+/// The SWA of a prefill stack on the tensor-core prefill kernel with a sliding window: each
+/// chunk's keys (window before the chunk, then the chunk) lie in `kbuf` from block-aligned row
+/// `kb0`, read through an identity block table; token `i` of a chunk sees rows
+/// `[max(0, e - window), e)` with `e = pos0 - lo + i + 1`, i.e. positions
+/// `[max(lo, p - window + 1), p]`, as [`SwaRange::visible`].
+pub(crate) struct SwaTiles {
+    rows: PrefillRows,
+    layout: KvLayout,
+}
+
+fn swa_tiles(
+    b: &CudaBackend,
+    chunks: &[SwaChunk],
+    kbuf_rows: usize,
+) -> Result<Option<SwaTiles>, BackendError> {
+    let Some(pk) = &b.k.prefill else {
+        return Ok(None);
+    };
+    let m = &b.cfg.model;
+    let bs = m.block_size;
+    let mut rows = QueryRows::default();
+    let mut per_chunk = Vec::new();
+    for ch in chunks.iter().filter(|c| c.n > 0) {
+        let num_k = ch.pos0 - ch.lo + ch.n;
+        // row kb0 holds position lo, at offset lo % bs of its block (see `kbuf_row`)
+        let off = ch.kb0 % bs;
+        for i in 0..ch.n {
+            rows.push(per_chunk.len(), off, off + ch.pos0 - ch.lo + i + 1);
+        }
+        per_chunk.push(
+            (0..(off + num_k).div_ceil(bs))
+                .map(|j| (ch.kb0 / bs + j) as i32)
+                .collect::<Vec<_>>(),
+        );
+    }
+    let layout = KvLayout {
+        block_stride: bs * m.kv_row(),
+        row_stride: m.kv_row(),
+        num_blocks: kbuf_rows / bs,
+    };
+    let rows = pk.upload(&b.gpu, &layout, &tables(&per_chunk), &rows)?;
+    Ok(Some(SwaTiles { rows, layout }))
+}
+
+/// Where a chunk whose window starts at position `lo` puts its keys in `kbuf`, from row `*kb`
+/// on: returns the chunk's first key row (`kb0`) and advances `*kb` past the `num_k` rows. The
+/// rows start in a fresh block at offset `lo % block_size`, so key tiles of the prefill kernel
+/// fall on the same positions however a prompt was chunked, and a warm chunk's window equals
+/// the cold run's bit for bit.
+fn kbuf_row(kb: &mut usize, lo: usize, num_k: usize, block_size: usize) -> usize {
+    let off = lo % block_size;
+    let kb0 = *kb + off;
+    *kb += (off + num_k).next_multiple_of(block_size);
+    kb0
 }
 
 /// One sequence's share of a prefill stack's SWA: tokens `tok0..tok0 + n` of the batch at
@@ -69,15 +150,114 @@ struct SwaChunk {
 }
 
 enum Swa<'a> {
-    Chunks(&'a [SwaChunk]),
+    /// Prefill: each chunk's window gathered into `kbuf`, then the SWA kernel per chunk, or
+    /// the tensor-core prefill kernel over all of them when given.
+    Chunks(&'a [SwaChunk], Option<&'a SwaTiles>),
     /// Decode: every token's window through the rings with the paged kernel.
     Ring(&'a DeviceRows),
+}
+
+/// What the device time of a step goes to (the diagnostic breakdown of
+/// [`super::CudaBackend::set_phase_timing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// cuBLAS GEMMs (projections, router, experts, shared expert, global KV projection).
+    Gemm,
+    /// Attention over the paged global KV (the encoder's own layer, decoder cross-attention).
+    Attention,
+    /// Sliding-window attention, with its window gathering and ring writes.
+    Swa,
+    /// MoE routing: logits to f32, softmax top-k, counts (and their copy to the host).
+    Routing,
+    /// MoE gather of token rows into expert order and the weighted combine back.
+    Permute,
+    /// Norms, RoPE, KV writes, activations, residual adds, LM head selection.
+    Elementwise,
+    /// Host planning, block placement and moves, uploads, scratch, embeddings.
+    Setup,
+}
+
+/// Device milliseconds of one step by [`Phase`]; they add up to the step's duration.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PhaseTimes {
+    pub gemm_ms: f64,
+    pub attention_ms: f64,
+    pub swa_ms: f64,
+    pub routing_ms: f64,
+    pub permute_ms: f64,
+    pub elementwise_ms: f64,
+    pub setup_ms: f64,
+}
+
+impl PhaseTimes {
+    pub fn total_ms(&self) -> f64 {
+        self.gemm_ms
+            + self.attention_ms
+            + self.swa_ms
+            + self.routing_ms
+            + self.permute_ms
+            + self.elementwise_ms
+            + self.setup_ms
+    }
+}
+
+/// Timing events recorded at phase boundaries on the compute stream: the time between a mark
+/// and the next is the earlier mark's phase.
+pub(crate) struct PhaseLog {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    marks: RefCell<Vec<(Phase, CudaEvent)>>,
+}
+
+impl PhaseLog {
+    pub(crate) fn new(gpu: &GpuContext) -> Self {
+        Self {
+            ctx: gpu.ctx.clone(),
+            stream: gpu.stream.clone(),
+            marks: RefCell::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn mark(&self, p: Phase) -> Result<(), BackendError> {
+        let ev = self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        ev.record(&self.stream)?;
+        self.marks.borrow_mut().push((p, ev));
+        Ok(())
+    }
+
+    /// Sums the marks so far (the last one closes the step) and clears them.
+    pub(crate) fn finish(&self) -> Result<PhaseTimes, BackendError> {
+        let marks = std::mem::take(&mut *self.marks.borrow_mut());
+        let mut t = PhaseTimes::default();
+        for w in marks.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1)? as f64;
+            match w[0].0 {
+                Phase::Gemm => t.gemm_ms += ms,
+                Phase::Attention => t.attention_ms += ms,
+                Phase::Swa => t.swa_ms += ms,
+                Phase::Routing => t.routing_ms += ms,
+                Phase::Permute => t.permute_ms += ms,
+                Phase::Elementwise => t.elementwise_ms += ms,
+                Phase::Setup => t.setup_ms += ms,
+            }
+        }
+        Ok(t)
+    }
+}
+
+/// Query rows over a global KV layer, uploaded for the kernel that runs them: the tensor-core
+/// prefill kernel (a tile of query rows per CTA, keys read once per tile) or the split decode
+/// kernels (short runs of query tokens over long key ranges).
+#[derive(Clone, Copy)]
+enum GlobalRows<'a> {
+    Split(&'a DeviceRows),
+    Prefill(&'a PrefillRows),
 }
 
 /// Attention rows over a global KV layer: the encoder layer's own (`own` is its global layer
 /// index and `slots` where this step's rows go) or the decoder's shared one.
 struct Cross<'a> {
-    rows: &'a DeviceRows,
+    rows: GlobalRows<'a>,
     /// Encoder layers: (global layer, device slots of the new rows).
     own: Option<(usize, &'a CudaSlice<i64>)>,
 }
@@ -88,6 +268,52 @@ struct Ctx<'a> {
     m: &'a ModelShape,
     ring_layout: KvLayout,
     global_layout: KvLayout,
+    phases: Option<&'a PhaseLog>,
+}
+
+impl Ctx<'_> {
+    fn mark(&self, p: Phase) -> Result<(), BackendError> {
+        match self.phases {
+            Some(l) => l.mark(p),
+            None => Ok(()),
+        }
+    }
+
+    /// `out` = attention of `q` over one global KV layer (`view` starts at the layer).
+    fn global_attention(
+        &self,
+        rows: &GlobalRows<'_>,
+        q: &CudaSlice<bf16>,
+        view: &CudaView<'_, bf16>,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), BackendError> {
+        self.mark(Phase::Attention)?;
+        match rows {
+            GlobalRows::Split(r) => {
+                let tps = self.k.att.default_tokens_per_split(r);
+                let mut ws = self.k.att.workspace(self.gpu, r, tps)?;
+                self.k.att.run(
+                    self.gpu,
+                    q,
+                    view,
+                    &self.global_layout,
+                    r,
+                    tps,
+                    &mut ws,
+                    scale,
+                    out,
+                )?;
+            }
+            GlobalRows::Prefill(r) => {
+                let pk = self.k.prefill.as_ref().ok_or_else(|| {
+                    BackendError::Plan("prefill rows without the prefill kernel".into())
+                })?;
+                pk.run(self.gpu, q, view, &self.global_layout, r, scale, out)?;
+            }
+        }
+        self.mark(Phase::Elementwise)
+    }
 }
 
 fn ring_slot(m: &ModelShape, ring: u32, pos: usize) -> i64 {
@@ -114,16 +340,20 @@ fn layer(
     let (hd, qd, row) = (m.hidden, m.q_dim(), m.kv_row());
     let scale = 1.0 / (m.head_dim as f32).sqrt();
     let s = &g.stream;
+    c.mark(Phase::Elementwise)?;
     k.norm
         .run(g, &sc.h, &lw.attn_norm, t, hd, m.norm_eps, &mut sc.xn)?;
+    c.mark(Phase::Gemm)?;
     linear_bf16(g, &sc.xn, &lw.wq, &mut sc.q, t, qd, hd)?;
     linear_bf16(g, &sc.xn, &lw.wk, &mut sc.k, t, row, hd)?;
+    c.mark(Phase::Elementwise)?;
     k.rope_q.run(g, &mut sc.q, pos)?;
     k.rope_k.run(g, &mut sc.k, pos)?;
     let layer_off = ring_layer * m.block_size * row;
     let rl = &c.ring_layout;
+    c.mark(Phase::Swa)?;
     match swa {
-        Swa::Chunks(chunks) => {
+        Swa::Chunks(chunks, tiles) => {
             for ch in chunks.iter() {
                 // the window before the chunk, from the ring, in runs inside one ring block
                 let mut p = ch.lo;
@@ -153,7 +383,22 @@ fn layer(
                 k.att
                     .write_kv_unchecked(g, &sc.k, t, ring_slots, &mut view, rl)
             }?;
-            for ch in chunks.iter().filter(|c| c.n > 0) {
+            if let (Some(st), Some(pk)) = (tiles, &k.prefill) {
+                pk.run_window(
+                    g,
+                    &sc.q,
+                    &sc.kbuf.as_view(),
+                    &st.layout,
+                    &st.rows,
+                    scale,
+                    Some(m.window),
+                    &mut sc.att,
+                )?;
+            }
+            for ch in chunks
+                .iter()
+                .filter(|c| c.n > 0 && (tiles.is_none() || k.prefill.is_none()))
+            {
                 let num_k = ch.pos0 - ch.lo + ch.n;
                 let range = SwaRange {
                     num_q: ch.n,
@@ -191,7 +436,9 @@ fn layer(
                 .run(g, &sc.q, &view, rl, rows, tps, &mut ws, scale, &mut sc.att)?;
         }
     }
+    c.mark(Phase::Gemm)?;
     linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
+    c.mark(Phase::Elementwise)?;
     if let Some(Cross {
         rows,
         own: Some((gl_layer, slots)),
@@ -207,41 +454,21 @@ fn layer(
                     .write_kv_unchecked(g, &sc.k, t, slots, &mut view, &c.global_layout)
             }?;
         }
-        let tps = k.att.default_tokens_per_split(rows);
-        let mut ws = k.att.workspace(g, rows, tps)?;
-        let view = pool.slice(off..);
-        k.att.run(
-            g,
-            &sc.q,
-            &view,
-            &c.global_layout,
-            rows,
-            tps,
-            &mut ws,
-            scale,
-            &mut sc.att,
-        )?;
+        c.global_attention(rows, &sc.q, &pool.slice(off..), scale, &mut sc.att)?;
+        c.mark(Phase::Gemm)?;
         linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
+        c.mark(Phase::Elementwise)?;
     }
     if let (Some(cw), Some(cr)) = (&lw.cross, cross) {
         k.norm
             .run(g, &sc.h, &cw.norm, t, hd, m.norm_eps, &mut sc.xn)?;
+        c.mark(Phase::Gemm)?;
         linear_bf16(g, &sc.xn, &cw.wq, &mut sc.q, t, qd, hd)?;
-        let tps = k.att.default_tokens_per_split(cr.rows);
-        let mut ws = k.att.workspace(g, cr.rows, tps)?;
         let off = m.encoder_layers * m.block_size * row;
-        k.att.run(
-            g,
-            &sc.q,
-            &pool.slice(off..),
-            &c.global_layout,
-            cr.rows,
-            tps,
-            &mut ws,
-            scale,
-            &mut sc.att,
-        )?;
+        c.global_attention(&cr.rows, &sc.q, &pool.slice(off..), scale, &mut sc.att)?;
+        c.mark(Phase::Gemm)?;
         linear_bf16_beta(g, &sc.att, &cw.wo, &mut sc.h, t, hd, qd, true)?;
+        c.mark(Phase::Elementwise)?;
     }
     k.norm
         .run(g, &sc.h, &lw.ffn_norm, t, hd, m.norm_eps, &mut sc.xn)?;
@@ -255,11 +482,15 @@ fn layer(
 fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
     let (hd, f, e) = (m.hidden, m.expert_ffn, m.experts);
+    c.mark(Phase::Gemm)?;
     linear_bf16(g, &sc.xn, &lw.router, &mut sc.rl_bf, t, e, hd)?;
+    c.mark(Phase::Routing)?;
     k.ops.to_f32(g, &sc.rl_bf, &mut sc.rl_f, t * e)?;
     let r = k.router.route(g, &sc.rl_f, t, true)?;
     let counts: Vec<i32> = g.stream.clone_dtoh(&r.counts)?;
+    c.mark(Phase::Permute)?;
     k.router.gather(g, &sc.xn, &r, t, hd, &mut sc.xs)?;
+    c.mark(Phase::Gemm)?;
     let mut off = 0usize;
     for (ex, &cnt) in lw.experts.iter().zip(&counts) {
         let n = cnt.max(0) as usize;
@@ -276,7 +507,9 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
         }
         off += n;
     }
+    c.mark(Phase::Elementwise)?;
     k.ops.silu_mul(g, &sc.gu, &mut sc.act, off, f)?;
+    c.mark(Phase::Gemm)?;
     let mut off = 0usize;
     for (ex, &cnt) in lw.experts.iter().zip(&counts) {
         let n = cnt.max(0) as usize;
@@ -293,7 +526,20 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
         }
         off += n;
     }
+    c.mark(Phase::Permute)?;
     k.router.combine(g, &sc.ys, &r, t, hd, &mut sc.moe_out)?;
+    if let Some(sh) = &lw.shared {
+        // the shared expert over every token, added to the routed experts' output (the routed
+        // buffers are free again: gu and act hold at least t x 2 x shared_ffn, see Scratch)
+        let sf = m.shared_ffn;
+        c.mark(Phase::Gemm)?;
+        linear_bf16(g, &sc.xn, &sh.w_gate_up, &mut sc.gu, t, 2 * sf, hd)?;
+        c.mark(Phase::Elementwise)?;
+        k.ops.silu_mul(g, &sc.gu, &mut sc.act, t, sf)?;
+        c.mark(Phase::Gemm)?;
+        linear_bf16_beta(g, &sc.act, &sh.w_down, &mut sc.moe_out, t, hd, sf, true)?;
+        c.mark(Phase::Elementwise)?;
+    }
     Ok(())
 }
 
@@ -440,9 +686,8 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             lo,
             trunc,
             ring,
-            kb0: kb,
+            kb0: kbuf_row(&mut kb, lo, pp - lo + n, bs),
         });
-        kb += pp - lo + n;
         for j in 0..n {
             let pos = pp + j;
             tokens.push(b.token_id(c.request.0, pos));
@@ -459,7 +704,7 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
     let t = tokens.len();
     let g = b.gpu.clone();
     let s = g.stream.clone();
-    let mut sc = Scratch::new(&g, &m, t, kb)?;
+    let mut sc = take_scratch(b, t, kb)?;
     if t > 0 {
         embed(b, &tokens, &mut sc)?;
         let d_pos = s.clone_htod(&positions)?;
@@ -478,9 +723,20 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             }
             enc_tables.push(blocks[i].iter().map(|&x| x as i32).collect::<Vec<_>>());
         }
-        let d_enc_rows =
-            b.k.att
-                .upload(&g, &b.global_layout(), &tables(&enc_tables), &enc_rows)?;
+        // the chunks' causal attention over prefix + chunk: the tensor-core prefill kernel
+        // whenever it takes the shape (always at the backend's head widths)
+        let enc_tables = tables(&enc_tables);
+        let gl = b.global_layout();
+        let (enc_split, enc_prefill) = match &b.k.prefill {
+            Some(pk) => (None, Some(pk.upload(&g, &gl, &enc_tables, &enc_rows)?)),
+            None => (Some(b.k.att.upload(&g, &gl, &enc_tables, &enc_rows)?), None),
+        };
+        let enc_rows = match (&enc_split, &enc_prefill) {
+            (_, Some(r)) => GlobalRows::Prefill(r),
+            (Some(r), None) => GlobalRows::Split(r),
+            (None, None) => unreachable!("one of the two was uploaded"),
+        };
+        let swa_enc = swa_tiles(b, &chunks, kb)?;
         // the encoder's global attention reads the cached prefix (swapped-in blocks)
         s.join(&b.copy)?;
         let ctx = Ctx {
@@ -488,7 +744,8 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             k: &b.k,
             m: &m,
             ring_layout: b.ring_layout(),
-            global_layout: b.global_layout(),
+            global_layout: gl,
+            phases: b.phases.as_ref(),
         };
         for (l, lw) in b.w.encoder.iter().enumerate() {
             layer(
@@ -500,15 +757,18 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
                 t,
                 &d_pos,
                 &d_ring,
-                &Swa::Chunks(&chunks),
+                &Swa::Chunks(&chunks, swa_enc.as_ref()),
                 Some(&Cross {
-                    rows: &d_enc_rows,
+                    rows: enc_rows,
                     own: Some((l, &d_global)),
                 }),
                 &mut sc,
             )?;
         }
         // shared global KV of the new tokens (the decoder's)
+        if let Some(l) = &b.phases {
+            l.mark(Phase::Elementwise)?;
+        }
         b.k.norm.run(
             &g,
             &sc.h,
@@ -518,6 +778,9 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             m.norm_eps,
             &mut sc.xn,
         )?;
+        if let Some(l) = &b.phases {
+            l.mark(Phase::Gemm)?;
+        }
         linear_bf16(
             &g,
             &sc.xn,
@@ -527,7 +790,9 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             m.kv_row(),
             m.hidden,
         )?;
-        let gl = b.global_layout();
+        if let Some(l) = &b.phases {
+            l.mark(Phase::Elementwise)?;
+        }
         let off = b.global_layer_offset(m.encoder_layers);
         let mut view = b.pool.slice_mut(off..);
         // SAFETY: slots address blocks the tiers placed for these sequences.
@@ -540,9 +805,14 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             st.ring_valid_to = (c.prefix_tokens + c.new_tokens) as usize;
         }
     }
+    b.scratch = Some(sc);
     s.join(&b.copy)?;
 
     // ---- decoder replay over the last `decoder_tokens` positions
+    if let Some(l) = &b.phases {
+        l.mark(Phase::Setup)?;
+    }
+    let mut dkb = 0usize;
     let mut tokens = Vec::new();
     let mut positions = Vec::new();
     let mut ring_slots = Vec::new();
@@ -565,7 +835,7 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             lo: start,
             trunc: start,
             ring,
-            kb0: tokens.len(),
+            kb0: kbuf_row(&mut dkb, start, r, bs),
         });
         for j in 0..r {
             let pos = start + j;
@@ -583,18 +853,34 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
     }
     let t = tokens.len();
     if t > 0 {
-        let mut sc = Scratch::new(&g, &m, t, t)?;
+        let mut sc = take_scratch(b, t, dkb)?;
         embed(b, &tokens, &mut sc)?;
         let d_pos = s.clone_htod(&positions)?;
         let d_ring = s.clone_htod(&ring_slots)?;
         let gl = b.global_layout();
-        let d_rows = b.k.att.upload(&g, &gl, &tables(&per_seq), &rows)?;
+        // cross-attention of the replayed tail over the whole global KV: the prefill kernel
+        // when the replay has enough query tiles to fill the device, else the split kernels
+        // (a short replay over a long prompt is decode-like)
+        let per_seq = tables(&per_seq);
+        let (dec_split, dec_prefill) = match &b.k.prefill {
+            Some(pk) if pk.fills_device(&rows) => {
+                (None, Some(pk.upload(&g, &gl, &per_seq, &rows)?))
+            }
+            _ => (Some(b.k.att.upload(&g, &gl, &per_seq, &rows)?), None),
+        };
+        let dec_rows = match (&dec_split, &dec_prefill) {
+            (_, Some(r)) => GlobalRows::Prefill(r),
+            (Some(r), None) => GlobalRows::Split(r),
+            (None, None) => unreachable!("one of the two was uploaded"),
+        };
+        let swa_dec = swa_tiles(b, &dchunks, dkb)?;
         let ctx = Ctx {
             gpu: &g,
             k: &b.k,
             m: &m,
             ring_layout: b.ring_layout(),
             global_layout: gl,
+            phases: b.phases.as_ref(),
         };
         for (l, lw) in b.w.decoder.iter().enumerate() {
             layer(
@@ -606,15 +892,16 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
                 t,
                 &d_pos,
                 &d_ring,
-                &Swa::Chunks(&dchunks),
+                &Swa::Chunks(&dchunks, swa_dec.as_ref()),
                 Some(&Cross {
-                    rows: &d_rows,
+                    rows: dec_rows,
                     own: None,
                 }),
                 &mut sc,
             )?;
         }
         logits(b, &mut sc, t, &last_rows)?;
+        b.scratch = Some(sc);
         // SWA state stored at the end of prefill (SPEC §3 step 5)
         let mut moves = Moves::default();
         for c in p.chunks.iter().filter(|c| c.decoder_tokens > 0) {
@@ -694,7 +981,7 @@ pub(super) fn decode(
     let d_pos = s.clone_htod(&positions)?;
     let d_ring = s.clone_htod(&ring_slots)?;
     let d_global = s.clone_htod(&global_slots)?;
-    let mut sc = Scratch::new(&g, &m, t, 0)?;
+    let mut sc = take_scratch(b, t, 0)?;
     embed(b, &tokens, &mut sc)?;
     s.join(&b.copy)?;
     let ctx = Ctx {
@@ -703,6 +990,7 @@ pub(super) fn decode(
         m: &m,
         ring_layout: rl,
         global_layout: gl,
+        phases: b.phases.as_ref(),
     };
     for (l, lw) in b.w.encoder.iter().enumerate() {
         layer(
@@ -716,7 +1004,7 @@ pub(super) fn decode(
             &d_ring,
             &Swa::Ring(&d_ring_rows),
             Some(&Cross {
-                rows: &d_cross,
+                rows: GlobalRows::Split(&d_cross),
                 own: Some((l, &d_global)),
             }),
             &mut sc,
@@ -757,6 +1045,7 @@ pub(super) fn decode(
         m: &m,
         ring_layout: rl,
         global_layout: gl,
+        phases: b.phases.as_ref(),
     };
     for (l, lw) in b.w.decoder.iter().enumerate() {
         layer(
@@ -770,7 +1059,7 @@ pub(super) fn decode(
             &d_ring,
             &Swa::Ring(&d_ring_rows),
             Some(&Cross {
-                rows: &d_cross,
+                rows: GlobalRows::Split(&d_cross),
                 own: None,
             }),
             &mut sc,
@@ -778,10 +1067,30 @@ pub(super) fn decode(
     }
     let all: Vec<i32> = (0..t as i32).collect();
     logits(b, &mut sc, t, &all)?;
+    b.scratch = Some(sc);
     for (s, &kv) in d.seqs.iter().zip(&kv_lens) {
         if let Some(st) = b.tiers.seqs.get_mut(&s.request.0) {
             st.ring_valid_to = kv;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kbuf_rows_start_blocks_at_the_window_offset() {
+        let mut kb = 0;
+        // a fresh prompt: window from position 0, 300 keys in 3 blocks
+        assert_eq!(kbuf_row(&mut kb, 0, 300, 128), 0);
+        assert_eq!(kb, 384);
+        // a later chunk whose window starts at 200: offset 72 in a fresh block
+        assert_eq!(kbuf_row(&mut kb, 200, 50, 128), 384 + 72);
+        assert_eq!(kb, 512);
+        // 72 + 100 keys cross into a second block
+        assert_eq!(kbuf_row(&mut kb, 200, 100, 128), 512 + 72);
+        assert_eq!(kb, 768);
+    }
 }

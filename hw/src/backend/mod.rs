@@ -29,6 +29,8 @@ pub mod tiers;
 
 mod forward;
 
+pub use forward::PhaseTimes;
+
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
@@ -48,6 +50,7 @@ use servelab_kernels::fill::gather_blocks_on;
 use servelab_kernels::moe::MoeRouter;
 use servelab_kernels::norm::RmsNorm;
 use servelab_kernels::ops::Ops;
+use servelab_kernels::prefill_attention::{self, PrefillAttention};
 use servelab_kernels::rope::{Rope, RopeShape};
 use servelab_kernels::sampling::Sampler;
 use servelab_kernels::swa::{SwaAttention, SwaShape};
@@ -151,6 +154,8 @@ pub enum BackendError {
 /// The compiled kernels the forward pass uses.
 pub(crate) struct Kernels {
     pub att: PagedAttention,
+    /// Tensor-core causal prefill attention (`None` for head widths it does not take).
+    pub prefill: Option<PrefillAttention>,
     pub swa: SwaAttention,
     pub norm: RmsNorm,
     pub rope_q: Rope,
@@ -185,6 +190,12 @@ pub struct CudaBackend {
     /// The f32 logits behind `last_tokens` when [`Self::keep_logits`] is set.
     pub last_logits: Vec<f32>,
     pub keep_logits: bool,
+    /// Activations kept between steps (the largest a step needed so far).
+    pub(crate) scratch: Option<forward::Scratch>,
+    /// Phase boundaries of the running step, when phase timing is on.
+    pub(crate) phases: Option<forward::PhaseLog>,
+    /// Device time of the last step by phase, when phase timing is on.
+    pub last_phases: Option<PhaseTimes>,
 }
 
 impl CudaBackend {
@@ -206,8 +217,13 @@ impl CudaBackend {
             rot_dim: m.head_dim,
             theta: m.rope_theta,
         };
+        let prefill = match prefill_attention::default_tiles(&shape) {
+            Some(t) => Some(PrefillAttention::with_tiles(&gpu, shape, t)?),
+            None => None,
+        };
         let k = Kernels {
             att: PagedAttention::new(&gpu, shape)?,
+            prefill,
             swa: SwaAttention::new(
                 &gpu,
                 SwaShape {
@@ -286,7 +302,47 @@ impl CudaBackend {
             last_tokens: Vec::new(),
             last_logits: Vec::new(),
             keep_logits: false,
+            scratch: None,
+            phases: None,
+            last_phases: None,
         })
+    }
+
+    /// Diagnostic: records an event at every phase boundary of each step (GEMMs, global
+    /// attention, SWA, the rest) and leaves the split in [`Self::last_phases`]. The events cost
+    /// host time and device idle, so time steps with it off.
+    pub fn set_phase_timing(&mut self, on: bool) {
+        self.phases = on.then(|| forward::PhaseLog::new(&self.gpu));
+        self.last_phases = None;
+    }
+
+    /// The prefill attention kernel's tiles (`None`: the split decode kernels run prefill).
+    pub fn prefill_tiles(&self) -> Option<prefill_attention::PrefillTiles> {
+        self.k.prefill.as_ref().map(|p| p.tiles())
+    }
+
+    /// Runs prefill attention through the tensor-core prefill kernel (`true`, the default where
+    /// it takes the shape) or through the split decode kernels (`false`), e.g. to compare them.
+    pub fn use_prefill_kernel(&mut self, on: bool) -> Result<(), BackendError> {
+        self.k.prefill = match prefill_attention::default_tiles(&self.k.att.shape) {
+            Some(t) if on => Some(PrefillAttention::with_tiles(
+                &self.gpu,
+                self.k.att.shape,
+                t,
+            )?),
+            _ => None,
+        };
+        Ok(())
+    }
+
+    /// Replaces the prefill attention kernel's tiles (recompiled), e.g. to compare tiles.
+    pub fn set_prefill_tiles(
+        &mut self,
+        tiles: prefill_attention::PrefillTiles,
+    ) -> Result<(), BackendError> {
+        let shape = self.k.att.shape;
+        self.k.prefill = Some(PrefillAttention::with_tiles(&self.gpu, shape, tiles)?);
+        Ok(())
     }
 
     /// Drops `request`'s encoder window (as after a cache hit with no SWA state): its next
@@ -362,11 +418,18 @@ impl CudaBackend {
         self.last_tokens.clear();
         self.last_logits.clear();
         start.record(&s)?;
+        if let Some(l) = &self.phases {
+            l.mark(forward::Phase::Setup)?;
+        }
         match plan {
             StepPlan::Prefill(p) => self.run_prefill(p)?,
             StepPlan::Decode(d) => self.run_decode(d, report)?,
         }
         s.join(&self.copy)?;
+        if let Some(l) = &self.phases {
+            l.mark(forward::Phase::Setup)?;
+            self.last_phases = Some(l.finish()?);
+        }
         end.record(&s)?;
         let ms = start.elapsed_ms(&end)? as f64;
         report.duration = Nanos((ms * 1e6).round().max(0.0) as u64);
@@ -694,6 +757,73 @@ mod tests {
             ids_back.len(),
             elems * 2
         );
+    }
+
+    /// The tensor-core prefill kernel against the split decode kernels on the same prompts:
+    /// one chunk, and two chunks (a cached prefix) whose decoder replay is long enough to run
+    /// through the prefill kernel too. Logits agree up to bf16 rounding.
+    #[test]
+    fn gpu_prefill_kernel_matches_the_split_kernels() {
+        let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
+            return;
+        };
+        let cfg = BackendConfig {
+            hbm_blocks: 64,
+            ring_slots: 4,
+            ..tiny()
+        };
+        let mut b = CudaBackend::new(Arc::new(gpu), cfg).unwrap();
+        assert!(b.prefill_tiles().is_some(), "d 64 takes the prefill kernel");
+        let m = b.config().model.clone();
+        let chunk = |new: u32, prefix: u32, replay: u32| {
+            StepPlan::Prefill(PrefillPlan {
+                engine: EngineId(0),
+                chunks: vec![PrefillChunk {
+                    request: RequestId(5),
+                    new_tokens: new,
+                    prefix_tokens: prefix,
+                    new_token_layers: m.encoder_layers as u32,
+                    decoder_tokens: replay,
+                    decoder_layers: m.decoder_layers as u32,
+                    swap_in_bytes: 0,
+                }],
+                expert_imbalance: 1.0,
+            })
+        };
+        // (chunks, replay): 5 x 128 = 640 > 132 SMs' worth of CTAs for the 2,600-token replay
+        let cases: [(&[u32], u32); 2] = [(&[700], 140), (&[1800, 800], 2600)];
+        for (splits, replay) in cases {
+            let mut logits = Vec::new();
+            for on in [true, false] {
+                b.use_prefill_kernel(on).unwrap();
+                b.reset();
+                b.keep_logits = true;
+                let mut rep = StepReport::default();
+                let mut done = 0;
+                for (i, &n) in splits.iter().enumerate() {
+                    let r = if i + 1 == splits.len() { replay } else { 0 };
+                    b.try_execute(&chunk(n, done, r), &mut rep).unwrap();
+                    done += n;
+                }
+                logits.push(b.last_logits.clone());
+            }
+            let (a, c) = (&logits[0], &logits[1]);
+            assert_eq!(a.len(), c.len());
+            let diffs: Vec<f64> = a.iter().zip(c).map(|(x, y)| (x - y).abs() as f64).collect();
+            let max = diffs.iter().cloned().fold(0.0, f64::max);
+            let mean = diffs.iter().sum::<f64>() / diffs.len().max(1) as f64;
+            let scale = c.iter().map(|x| x.abs() as f64).fold(0.0, f64::max);
+            println!(
+                "chunks {splits:?} replay {replay}: prefill kernel vs split kernels: max abs logit diff {max:.3e}, mean {mean:.3e} (largest |logit| {scale:.3})"
+            );
+            assert!(a.iter().all(|x| x.is_finite()));
+            assert!(
+                max <= 0.05 * scale.max(1.0),
+                "max diff {max} vs logits up to {scale}"
+            );
+            assert!(mean <= 0.01 * scale.max(1.0), "mean diff {mean}");
+        }
+        b.use_prefill_kernel(true).unwrap();
     }
 
     /// Prefill, decode with verification, and enough sequences to force swap-out and swap-in.

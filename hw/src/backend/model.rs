@@ -33,6 +33,9 @@ pub struct ModelShape {
     pub experts: usize,
     pub top_k: usize,
     pub expert_ffn: usize,
+    /// Width of the shared expert every token runs besides its routed ones (SPEC §1 has one);
+    /// 0: none.
+    pub shared_ffn: usize,
     pub vocab: usize,
     /// Sliding window (SPEC §2: 128).
     pub window: usize,
@@ -56,6 +59,7 @@ impl Default for ModelShape {
             experts: 8,
             top_k: 2,
             expert_ffn: 1024,
+            shared_ffn: 0,
             vocab: 8192,
             window: 128,
             block_size: 128,
@@ -155,7 +159,7 @@ impl ModelShape {
     /// Weight elements of the whole model.
     pub fn parameters(&self) -> usize {
         let (h, q, r) = (self.hidden, self.q_dim(), self.kv_row());
-        let moe = self.experts * (h + 3 * self.expert_ffn * h);
+        let moe = self.experts * (h + 3 * self.expert_ffn * h) + 3 * self.shared_ffn * h;
         let enc = 2 * h + q * h + r * h + h * q + moe;
         let dec = enc + h + q * h + h * q;
         self.encoder_layers * enc + self.decoder_layers * dec + h + r * h + h + 2 * self.vocab * h
@@ -168,7 +172,7 @@ pub struct ExpertWeights {
     pub w_down: CudaSlice<bf16>,
 }
 
-/// One layer; `cross` is present in decoder layers only.
+/// One layer; `cross` is present in decoder layers only, `shared` when `shared_ffn > 0`.
 pub struct LayerWeights {
     pub attn_norm: CudaSlice<bf16>,
     pub wq: CudaSlice<bf16>,
@@ -178,6 +182,7 @@ pub struct LayerWeights {
     pub ffn_norm: CudaSlice<bf16>,
     pub router: CudaSlice<bf16>,
     pub experts: Vec<ExpertWeights>,
+    pub shared: Option<ExpertWeights>,
 }
 
 /// Cross-attention over the global KV (decoder layers).
@@ -245,6 +250,16 @@ impl ModelWeights {
                     })
                 })
                 .collect::<Result<Vec<_>, KernelError>>()?;
+            // drawn after the routed experts, so a model without one keeps its other weights
+            let shared = if shape.shared_ffn > 0 {
+                let sf = shape.shared_ffn;
+                Some(ExpertWeights {
+                    w_gate_up: mat(2 * sf, h)?,
+                    w_down: mat(h, sf)?,
+                })
+            } else {
+                None
+            };
             Ok(LayerWeights {
                 attn_norm: ones(h)?,
                 wq,
@@ -254,6 +269,7 @@ impl ModelWeights {
                 ffn_norm: ones(h)?,
                 router,
                 experts,
+                shared,
             })
         };
         let encoder = (0..shape.encoder_layers)
@@ -335,5 +351,8 @@ mod tests {
         // dec: 984 + cross norm 8 + wq 256 + wo 256 = 1504
         // global norm 8 + kv 256 + final norm 8 + embed 32 + head 32 = 336
         assert_eq!(s.parameters(), 984 + 1504 + 336);
+        // a shared expert of width 4 adds 3 x 4 x 8 weights to each of the 2 layers
+        let with_shared = ModelShape { shared_ffn: 4, ..s };
+        assert_eq!(with_shared.parameters(), 984 + 1504 + 336 + 2 * 96);
     }
 }

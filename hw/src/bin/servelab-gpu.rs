@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
+use servelab_hw::clock::ClockKind;
 use servelab_hw::commands::{self, CalibrateOptions, CommandError, ConformanceOptions};
 use servelab_hw::conformance::{ConformanceFile, dry_run};
 
@@ -68,6 +69,13 @@ enum Cmd {
         /// Driver version as nvidia-smi reports it (the script passes it)
         #[arg(long)]
         driver: Option<String>,
+        /// A conformance config whose workload (run under --workload-seed) joins the fit, so
+        /// the profile sees the step shapes of a running engine as well as the grid.
+        #[arg(long)]
+        workload: Option<PathBuf>,
+        /// Seed of that workload run (default: the config's seed + 1).
+        #[arg(long)]
+        workload_seed: Option<u64>,
     },
     /// Run a workload through the policies on the GPU, replay it, predict every step with the
     /// simulator and compare latency distributions (SPEC §16).
@@ -81,9 +89,14 @@ enum Cmd {
         /// Analyse a record of an earlier GPU run (no GPU needed)
         #[arg(long)]
         record: Option<PathBuf>,
-        /// Free-run the cost model only (sizing a config; no GPU needed)
+        /// Free-run the cost model only (sizing a config; no GPU needed; virtual clock)
         #[arg(long)]
         dry_run: bool,
+        /// Clock of the GPU run: `wall` (arrivals released in real time, admitted while the
+        /// device runs a step on its own thread) or `virtual` (time moves by the CUDA-event
+        /// durations). The simulation always runs on the virtual clock.
+        #[arg(long, value_enum, default_value_t = ClockKind::Wall)]
+        clock: ClockKind,
         #[arg(long, default_value = "unknown")]
         date: String,
         #[arg(long, default_value = "unknown")]
@@ -131,6 +144,8 @@ fn run(cmd: Cmd) -> Result<(), CommandError> {
             date,
             commit,
             driver,
+            workload,
+            workload_seed,
         } => {
             let o = CalibrateOptions {
                 out,
@@ -140,6 +155,8 @@ fn run(cmd: Cmd) -> Result<(), CommandError> {
                 date,
                 commit,
                 driver,
+                workload,
+                workload_seed,
             };
             let text = commands::calibrate(gpu()?, &o, &mut log)?;
             println!("{text}");
@@ -181,6 +198,7 @@ fn run(cmd: Cmd) -> Result<(), CommandError> {
             out,
             profile,
             record,
+            clock,
             date,
             commit,
             prefix,
@@ -191,6 +209,7 @@ fn run(cmd: Cmd) -> Result<(), CommandError> {
                 out,
                 profile,
                 record,
+                clock,
                 date,
                 commit,
                 prefix,

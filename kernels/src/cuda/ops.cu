@@ -7,15 +7,43 @@ extern "C" __global__ void bf16_to_f32(const bf16_t* __restrict__ x, float* __re
 }
 
 // Gated activation of a fused gate|up projection: gu [rows, 2 * ffn] -> y [rows, ffn],
-// y = silu(gate) * up with silu(g) = g / (1 + e^-g).
+// y = silu(gate) * up with silu(g) = g / (1 + e^-g). When ffn is a multiple of 8 and the
+// buffers are 16-byte aligned, each thread does 8 elements with uint4 loads and stores (same
+// per-element arithmetic, so the same results).
+__device__ __forceinline__ float silu_mul1(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
 extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gu, bf16_t* __restrict__ y, i64 rows, int ffn) {
+    if ((ffn & 7) == 0 && ((((unsigned long long)gu) | ((unsigned long long)y)) & 15) == 0) {
+        const int f8 = ffn >> 3;
+        const i64 n8 = rows * f8;
+        for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (i64)gridDim.x * blockDim.x) {
+            const i64 r = i / f8;
+            const int c = (int)(i % f8);
+            const uint4 g4 = reinterpret_cast<const uint4*>(gu + r * 2 * ffn)[c];
+            const uint4 u4 = reinterpret_cast<const uint4*>(gu + r * 2 * ffn + ffn)[c];
+            const unsigned int g[4] = {g4.x, g4.y, g4.z, g4.w};
+            const unsigned int u[4] = {u4.x, u4.y, u4.z, u4.w};
+            unsigned int o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bf16_t lo = f2bf(silu_mul1(bf2f((bf16_t)(g[e] & 0xffffu)), bf2f((bf16_t)(u[e] & 0xffffu))));
+                const bf16_t hi = f2bf(silu_mul1(bf2f((bf16_t)(g[e] >> 16)), bf2f((bf16_t)(u[e] >> 16))));
+                o[e] = (unsigned int)lo | ((unsigned int)hi << 16);
+            }
+            uint4 ov;
+            ov.x = o[0];
+            ov.y = o[1];
+            ov.z = o[2];
+            ov.w = o[3];
+            reinterpret_cast<uint4*>(y + r * ffn)[c] = ov;
+        }
+        return;
+    }
     const i64 n = rows * ffn;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         const i64 r = i / ffn;
         const int c = (int)(i % ffn);
-        const float g = bf2f(gu[r * 2 * ffn + c]);
-        const float u = bf2f(gu[r * 2 * ffn + ffn + c]);
-        y[i] = f2bf(g / (1.f + __expf(-g)) * u);
+        y[i] = f2bf(silu_mul1(bf2f(gu[r * 2 * ffn + c]), bf2f(gu[r * 2 * ffn + ffn + c])));
     }
 }
 
