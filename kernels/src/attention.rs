@@ -127,6 +127,41 @@ pub struct BlockTables {
     pub entries: Vec<i32>,
 }
 
+/// Query `query` reads keys `[start, end)` of table row `row`: the row exists, the range lies
+/// inside the table, and every block it reaches is inside the pool.
+pub(crate) fn validate_key_range(
+    query: usize,
+    (row, s, e): (i32, i32, i32),
+    shape: &PagedAttentionShape,
+    layout: &KvLayout,
+    tables: &BlockTables,
+) -> Result<(), KernelError> {
+    ensure(row >= 0 && (row as usize) < tables.rows(), || {
+        format!("query {query}: table row {row} out of range")
+    })?;
+    ensure(
+        0 <= s && s <= e && (e as usize) <= tables.max_blocks * shape.block_size,
+        || {
+            format!(
+                "query {query}: key range [{s}, {e}) outside the table's {} tokens",
+                tables.max_blocks * shape.block_size
+            )
+        },
+    )?;
+    if s < e {
+        for b in (s as usize / shape.block_size)..=((e as usize - 1) / shape.block_size) {
+            let phys = tables.get(row as usize, b);
+            ensure(phys >= 0 && (phys as usize) < layout.num_blocks, || {
+                format!(
+                    "query {query}: block {phys} outside the pool of {}",
+                    layout.num_blocks
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
 impl BlockTables {
     pub fn rows(&self) -> usize {
         self.entries.len().checked_div(self.max_blocks).unwrap_or(0)
@@ -207,30 +242,13 @@ impl QueryRows {
             || "block table is not rows x max_blocks".into(),
         )?;
         for i in 0..self.len() {
-            let (row, s, e) = (self.table_row[i], self.kv_start[i], self.kv_end[i]);
-            ensure(row >= 0 && (row as usize) < tables.rows(), || {
-                format!("query {i}: table row {row} out of range")
-            })?;
-            ensure(
-                0 <= s && s <= e && (e as usize) <= tables.max_blocks * shape.block_size,
-                || {
-                    format!(
-                        "query {i}: key range [{s}, {e}) outside the table's {} tokens",
-                        tables.max_blocks * shape.block_size
-                    )
-                },
+            validate_key_range(
+                i,
+                (self.table_row[i], self.kv_start[i], self.kv_end[i]),
+                shape,
+                layout,
+                tables,
             )?;
-            if s < e {
-                for b in (s as usize / shape.block_size)..=((e as usize - 1) / shape.block_size) {
-                    let phys = tables.get(row as usize, b);
-                    ensure(phys >= 0 && (phys as usize) < layout.num_blocks, || {
-                        format!(
-                            "query {i}: block {phys} outside the pool of {}",
-                            layout.num_blocks
-                        )
-                    })?;
-                }
-            }
         }
         Ok(())
     }

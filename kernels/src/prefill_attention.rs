@@ -428,32 +428,13 @@ fn validate_group(
     tables: &BlockTables,
     g: &QueryGroup,
 ) -> Result<(), KernelError> {
-    let (row, s, e) = (g.table_row, g.kv_start, g.kv_end);
-    ensure(row >= 0 && (row as usize) < tables.rows(), || {
-        format!("query {}: table row {row} out of range", g.first_row)
-    })?;
-    ensure(
-        0 <= s && s <= e && (e as usize) <= tables.max_blocks * shape.block_size,
-        || {
-            format!(
-                "query {}: key range [{s}, {e}) outside the table's {} tokens",
-                g.first_row,
-                tables.max_blocks * shape.block_size
-            )
-        },
-    )?;
-    if s < e {
-        for b in (s as usize / shape.block_size)..=((e as usize - 1) / shape.block_size) {
-            let phys = tables.get(row as usize, b);
-            ensure(phys >= 0 && (phys as usize) < layout.num_blocks, || {
-                format!(
-                    "query {}: block {phys} outside the pool of {}",
-                    g.first_row, layout.num_blocks
-                )
-            })?;
-        }
-    }
-    Ok(())
+    crate::attention::validate_key_range(
+        g.first_row as usize,
+        (g.table_row, g.kv_start, g.kv_end),
+        shape,
+        layout,
+        tables,
+    )
 }
 
 /// Prefill chunks `(prefix, chunk)` of several sequences in one launch: sequence `i` is table
