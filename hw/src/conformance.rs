@@ -1050,62 +1050,70 @@ pub fn run_on_gpu_wall(
 /// prefill steps of the run took 63–123 ms against 30–32 ms later (and in the calibration,
 /// whose grid had run every size first), which set the run's TTFT tail.
 fn warm_up(b: &mut CudaBackend, file: &ConformanceFile) -> Result<(), ConformanceError> {
-    use servelab_core::engine::{DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk};
-    let m = b.config().model.clone();
     let mut report = StepReport::default();
+    let plans = warm_up_plans(&b.config().model, file);
+    for _ in 0..file.conformance.warmup_steps {
+        for plan in &plans {
+            b.try_execute(plan, &mut report)?;
+            b.reset();
+        }
+    }
+    b.reset();
+    Ok(())
+}
+
+/// The warm-up ladder: one prefill per chunk size, cold and over a prefix, and one decode step per
+/// power-of-two batch up to `max_seqs`, each under its own fresh request ids.
+fn warm_up_plans(m: &ModelShape, file: &ConformanceFile) -> Vec<StepPlan> {
+    use servelab_core::engine::{DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk};
+    let mut plans = Vec::new();
     let mut next = u64::MAX / 2;
     let mut fresh = || {
         next += 1;
         RequestId(next)
     };
-    for _ in 0..file.conformance.warmup_steps {
-        for new_tokens in [128u32, 256, 512, 1024, 2048, 4096, 8192] {
-            for prefix_tokens in [0u32, 2048] {
-                let prefill = StepPlan::Prefill(PrefillPlan {
-                    engine: EngineId(0),
-                    chunks: vec![PrefillChunk {
-                        request: fresh(),
-                        new_tokens,
-                        prefix_tokens,
-                        new_token_layers: m.encoder_layers as u32,
-                        decoder_tokens: 140,
-                        decoder_layers: m.decoder_layers as u32,
-                        swap_in_bytes: 0,
-                    }],
-                    expert_imbalance: 1.0,
-                });
-                b.try_execute(&prefill, &mut report)?;
-                b.reset();
-            }
-        }
-        let mut batch = 1u32;
-        while batch <= file.conformance.max_seqs.max(1) {
-            let seqs: Vec<DecodeSeq> = (0..batch)
-                .map(|slot| DecodeSeq {
+    for new_tokens in [128u32, 256, 512, 1024, 2048, 4096, 8192] {
+        for prefix_tokens in [0u32, 2048] {
+            plans.push(StepPlan::Prefill(PrefillPlan {
+                engine: EngineId(0),
+                chunks: vec![PrefillChunk {
                     request: fresh(),
-                    kv_tokens: 2049,
-                    max_drafts: 5,
-                    slot,
-                })
-                .collect();
-            let decode = StepPlan::Decode(DecodePlan {
-                engine: EngineId(1),
-                ranks: vec![DecodeRankPlan {
-                    seq_start: 0,
-                    seq_end: batch,
-                    verify_budget: 5 * batch,
+                    new_tokens,
+                    prefix_tokens,
+                    new_token_layers: m.encoder_layers as u32,
+                    // The replay cannot be longer than the sequence itself.
+                    decoder_tokens: 140.min(new_tokens + prefix_tokens),
+                    decoder_layers: m.decoder_layers as u32,
+                    swap_in_bytes: 0,
                 }],
-                seqs,
-                dynamic: false,
                 expert_imbalance: 1.0,
-            });
-            b.try_execute(&decode, &mut report)?;
-            b.reset();
-            batch *= 2;
+            }));
         }
     }
-    b.reset();
-    Ok(())
+    let mut batch = 1u32;
+    while batch <= file.conformance.max_seqs.max(1) {
+        let seqs: Vec<DecodeSeq> = (0..batch)
+            .map(|slot| DecodeSeq {
+                request: fresh(),
+                kv_tokens: 2049,
+                max_drafts: 5,
+                slot,
+            })
+            .collect();
+        plans.push(StepPlan::Decode(DecodePlan {
+            engine: EngineId(1),
+            ranks: vec![DecodeRankPlan {
+                seq_start: 0,
+                seq_end: batch,
+                verify_budget: 5 * batch,
+            }],
+            seqs,
+            dynamic: false,
+            expert_imbalance: 1.0,
+        }));
+        batch *= 2;
+    }
+    plans
 }
 
 /// Parts 2–4 over a record.
@@ -1483,6 +1491,20 @@ think_time_s = { kind = "fixed", value = 0.2 }
 
     fn file() -> ConformanceFile {
         ConformanceFile::parse(CONFIG, "test.toml").unwrap()
+    }
+
+    #[test]
+    fn warm_up_plans_are_valid_for_the_backend() {
+        // Run 12's first try stopped here on the device: a 128-token cold chunk with a
+        // 140-token replay. The backend's own plan check runs without a GPU.
+        let f = file();
+        let plans = warm_up_plans(&f.backend.model, &f);
+        assert!(plans.len() >= 14, "{} plans", plans.len());
+        for plan in &plans {
+            if let StepPlan::Prefill(p) = plan {
+                crate::backend::check_prefill_plan(p).unwrap();
+            }
+        }
     }
 
     fn cost(f: &ConformanceFile) -> CostModel {

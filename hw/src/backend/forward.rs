@@ -626,11 +626,8 @@ fn ring_tables(m: &ModelShape, rings: &[u32], max_pos: usize) -> BlockTables {
     tables(&per)
 }
 
-pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), BackendError> {
-    let m = b.cfg.model.clone();
-    let bs = m.block_size;
-    let mut moves = Moves::default();
-    let mut seqs = Vec::new();
+/// The shape rules a prefill plan must keep before the backend places anything.
+pub(crate) fn check_prefill_plan(p: &PrefillPlan) -> Result<(), BackendError> {
     for c in &p.chunks {
         let total = c.prefix_tokens as usize + c.new_tokens as usize;
         if c.decoder_tokens as usize > total {
@@ -639,7 +636,21 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
                 c.request.0, c.decoder_tokens, total
             )));
         }
-        seqs.push((c.request.0, total));
+    }
+    Ok(())
+}
+
+pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), BackendError> {
+    let m = b.cfg.model.clone();
+    let bs = m.block_size;
+    let mut moves = Moves::default();
+    let mut seqs = Vec::new();
+    check_prefill_plan(p)?;
+    for c in &p.chunks {
+        seqs.push((
+            c.request.0,
+            c.prefix_tokens as usize + c.new_tokens as usize,
+        ));
     }
     // Sequences new to this backend with a cached prefix get it from the host tier (the
     // content is whatever the host blocks hold: the random model has no real prefix KV).

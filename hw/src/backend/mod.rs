@@ -30,6 +30,7 @@ pub mod tiers;
 mod forward;
 
 pub use forward::PhaseTimes;
+pub(crate) use forward::check_prefill_plan;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -270,6 +271,14 @@ impl CudaBackend {
         }?;
         swa_host.as_mut_slice()?.fill(bf16::ZERO);
         let copy = gpu.ctx.new_stream()?;
+        // With a second stream cudarc would record and wait on two events per buffer argument of
+        // every launch and GEMM (and create two per allocation) to order streams for us. Decode
+        // steps here are host-bound, and that bookkeeping was a large share of their host time.
+        // The backend orders its two streams itself: the copy stream joins the compute stream
+        // before it touches the pools, and the compute stream joins it back before reading them
+        // (`issue_moves`, `try_execute`), and buffers used on the copy stream are allocated on it.
+        // SAFETY: as above; every cross-stream use goes through those joins.
+        unsafe { gpu.ctx.disable_event_tracking() };
         let disk = if cfg.disk_blocks > 0 {
             let dir = cfg.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
             Some(DiskTier::create(&dir, cfg.disk_blocks, m.block_bytes())?)
