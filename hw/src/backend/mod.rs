@@ -30,6 +30,7 @@ pub mod tiers;
 mod forward;
 
 pub use forward::PhaseTimes;
+#[cfg(test)]
 pub(crate) use forward::check_prefill_plan;
 
 use std::collections::BTreeSet;
