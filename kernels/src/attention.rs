@@ -403,6 +403,18 @@ pub struct AttentionWorkspace {
     acc: CudaSlice<f32>,
 }
 
+impl AttentionWorkspace {
+    /// Fills every partial with NaN, so a reduce that read one the split pass did not write
+    /// would show in the output.
+    pub fn poison(&mut self, gpu: &GpuContext) -> Result<(), KernelError> {
+        for buf in [&mut self.m, &mut self.l, &mut self.acc] {
+            let nan = vec![f32::NAN; buf.len()];
+            gpu.stream.memcpy_htod(&nan, buf)?;
+        }
+        Ok(())
+    }
+}
+
 /// Compile-time constants of the kernels for one shape.
 pub(crate) fn defines(shape: &PagedAttentionShape) -> [(&'static str, usize); 8] {
     let (lpt, cpl) = lane_split(shape.d_qk);
@@ -933,6 +945,30 @@ impl PagedAttention {
         })
     }
 
+    /// Makes `ws` large enough for `rows` at `tokens_per_split`, keeping it when it already is.
+    /// Old contents do not matter: the split pass writes every partial the reduce pass reads
+    /// (the GPU checks run on a NaN-poisoned workspace to hold that). A layer loop that
+    /// allocated and zeroed a workspace per attention call spent more host time on it than on
+    /// the launch.
+    pub fn ensure_workspace(
+        &self,
+        gpu: &GpuContext,
+        rows: &DeviceRows,
+        tokens_per_split: usize,
+        ws: &mut Option<AttentionWorkspace>,
+    ) -> Result<(), KernelError> {
+        let splits = rows.max_len.div_ceil(tokens_per_split.max(1)).max(1);
+        let n = rows.num_q * self.shape.num_heads() * splits;
+        let fits = ws
+            .as_ref()
+            .is_some_and(|w| w.m.len() >= n && w.acc.len() >= n * self.shape.d_v);
+        if !fits {
+            *ws = None;
+            *ws = Some(self.workspace(gpu, rows, tokens_per_split)?);
+        }
+        Ok(())
+    }
+
     /// out `[num_q, num_heads, d_v]` = attention of `q` `[num_q, num_heads, d_qk]` over `kv`.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
@@ -1257,6 +1293,8 @@ fn check_case(
     // A small split forces several partials per row, exercising the merge.
     let tps = 64;
     let mut ws = att.workspace(gpu, &d_rows, tps)?;
+    // Partials the reduce reads must all come from this run (the backend reuses workspaces).
+    ws.poison(gpu)?;
     att.run(
         gpu,
         &dq,

@@ -112,6 +112,32 @@ pub struct Routing {
     pub slot_pos: CudaSlice<i32>,
 }
 
+impl Routing {
+    /// Buffers for routing up to `tokens` tokens over `num_experts` experts, `top_k` each.
+    pub fn alloc(
+        gpu: &GpuContext,
+        tokens: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> Result<Self, KernelError> {
+        let s = &gpu.stream;
+        let na = (tokens * top_k).max(1);
+        Ok(Self {
+            ids: s.alloc_zeros(na)?,
+            weights: s.alloc_zeros(na)?,
+            counts: s.alloc_zeros(num_experts)?,
+            offsets: s.alloc_zeros(num_experts + 1)?,
+            sorted_token: s.alloc_zeros(na)?,
+            slot_pos: s.alloc_zeros(na)?,
+        })
+    }
+
+    /// Tokens these buffers can route at `top_k` experts each.
+    pub fn tokens(&self, top_k: usize) -> usize {
+        self.ids.len() / top_k.max(1)
+    }
+}
+
 pub struct MoeRouter {
     pub num_experts: usize,
     pub top_k: usize,
@@ -159,20 +185,38 @@ impl MoeRouter {
         n: usize,
         renorm: bool,
     ) -> Result<Routing, KernelError> {
+        let mut r = Routing::alloc(gpu, n, self.num_experts, self.top_k)?;
+        self.route_into(gpu, logits, n, renorm, &mut r)?;
+        Ok(r)
+    }
+
+    /// As [`Self::route`], into `r`, which must hold at least `n` tokens of this router (see
+    /// [`Routing::alloc`]). Every entry the permutation kernels read for these `n` tokens is
+    /// written here, so `r` can be reused from call to call: a layer loop that allocated and
+    /// zeroed six buffers per MoE layer spent more host time on that than on the routing.
+    pub fn route_into(
+        &self,
+        gpu: &GpuContext,
+        logits: &CudaSlice<f32>,
+        n: usize,
+        renorm: bool,
+        r: &mut Routing,
+    ) -> Result<(), KernelError> {
         let (e, k) = (self.num_experts, self.top_k);
         ensure(logits.len() >= n * e, || "logits too short".into())?;
+        ensure(
+            r.tokens(k) >= n && r.counts.len() == e && r.offsets.len() == e + 1,
+            || {
+                format!(
+                    "routing buffers hold {} tokens of {} experts, need {n} of {e}",
+                    r.tokens(k),
+                    r.counts.len()
+                )
+            },
+        )?;
         let s = &gpu.stream;
-        let na = (n * k).max(1);
-        let mut r = Routing {
-            ids: s.alloc_zeros(na)?,
-            weights: s.alloc_zeros(na)?,
-            counts: s.alloc_zeros(e)?,
-            offsets: s.alloc_zeros(e + 1)?,
-            sorted_token: s.alloc_zeros(na)?,
-            slot_pos: s.alloc_zeros(na)?,
-        };
         if n == 0 {
-            return Ok(r);
+            return Ok(());
         }
         let (ni, ei, ki, nai) = (n as i32, e as i32, k as i32, (n * k) as i32);
         let warps = 4u32;
@@ -230,7 +274,7 @@ impl MoeRouter {
                 shared_mem_bytes: 0,
             })
         }?;
-        Ok(r)
+        Ok(())
     }
 
     /// xs `[n k, dim]` = rows of x `[n, dim]` in expert-major order.
@@ -351,6 +395,28 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
             .filter(|(a, b)| a != b)
             .count();
     out.push(CheckResult::exact("moe_permutation", detail.clone(), mism));
+    // Reused buffers (as the backend's layer loop keeps them): room for twice the tokens,
+    // holding another routing first; the n tokens' arrays must come out as from fresh ones.
+    let mut reused = Routing::alloc(gpu, 2 * n, e, k)?;
+    let other = random_f32(&mut r, 2 * n * e, 4.0);
+    router.route_into(gpu, &s.clone_htod(&other)?, 2 * n, true, &mut reused)?;
+    router.route_into(gpu, &s.clone_htod(&logits)?, n, true, &mut reused)?;
+    let na = n * k;
+    let reuse_mism = [
+        (s.clone_dtoh(&reused.ids)?[..na] != ids[..]) as usize,
+        (s.clone_dtoh(&reused.weights)?[..na] != s.clone_dtoh(&routing.weights)?[..]) as usize,
+        (s.clone_dtoh(&reused.counts)? != s.clone_dtoh(&routing.counts)?) as usize,
+        (s.clone_dtoh(&reused.offsets)? != got.offsets) as usize,
+        (s.clone_dtoh(&reused.sorted_token)?[..na] != got.sorted_token[..]) as usize,
+        (s.clone_dtoh(&reused.slot_pos)?[..na] != got.slot_pos[..]) as usize,
+    ]
+    .iter()
+    .sum();
+    out.push(CheckResult::exact(
+        "moe_route_into_reused",
+        format!("{detail}, buffers for {} tokens, used before", 2 * n),
+        reuse_mism,
+    ));
     let dx = s.clone_htod(&x)?;
     let mut xs = s.clone_htod(&vec![bf16::NAN; n * k * dim])?;
     router.gather(gpu, &dx, &routing, n, dim, &mut xs)?;

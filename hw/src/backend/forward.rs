@@ -8,8 +8,11 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView};
 use half::bf16;
 use servelab_core::engine::plan::{DecodePlan, PrefillPlan};
 use servelab_kernels::GpuContext;
-use servelab_kernels::attention::{BlockTables, DeviceRows, KvLayout, QueryRows};
+use servelab_kernels::attention::{
+    AttentionWorkspace, BlockTables, DeviceRows, KvLayout, QueryRows,
+};
 use servelab_kernels::gemm::{linear_bf16, linear_bf16_beta};
+use servelab_kernels::moe::Routing;
 use servelab_kernels::prefill_attention::PrefillRows;
 use servelab_kernels::swa::SwaRange;
 
@@ -36,6 +39,11 @@ pub(crate) struct Scratch {
     ys: CudaSlice<bf16>,
     moe_out: CudaSlice<bf16>,
     kbuf: CudaSlice<bf16>,
+    /// Routing buffers for `tokens` tokens and the attention workspace (grown on demand),
+    /// reused by every layer: allocating and zeroing them per layer was ~18 driver calls a
+    /// layer in host-bound decode steps.
+    routing: Routing,
+    att_ws: Option<AttentionWorkspace>,
 }
 
 impl Scratch {
@@ -64,6 +72,8 @@ impl Scratch {
             ys: s.alloc_zeros(tk * m.hidden)?,
             moe_out: s.alloc_zeros(t1 * m.hidden)?,
             kbuf: s.alloc_zeros(kbuf_rows.max(1) * m.kv_row())?,
+            routing: Routing::alloc(gpu, t1, m.experts, m.top_k)?,
+            att_ws: None,
         })
     }
 }
@@ -287,12 +297,14 @@ impl Ctx<'_> {
         view: &CudaView<'_, bf16>,
         scale: f32,
         out: &mut CudaSlice<bf16>,
+        ws: &mut Option<AttentionWorkspace>,
     ) -> Result<(), BackendError> {
         self.mark(Phase::Attention)?;
         match rows {
             GlobalRows::Split(r) => {
                 let tps = self.k.att.default_tokens_per_split(r);
-                let mut ws = self.k.att.workspace(self.gpu, r, tps)?;
+                self.k.att.ensure_workspace(self.gpu, r, tps, ws)?;
+                let ws = ws.as_mut().expect("ensured above");
                 self.k.att.run(
                     self.gpu,
                     q,
@@ -300,7 +312,7 @@ impl Ctx<'_> {
                     &self.global_layout,
                     r,
                     tps,
-                    &mut ws,
+                    ws,
                     scale,
                     out,
                 )?;
@@ -430,10 +442,11 @@ fn layer(
                 }?;
             }
             let tps = k.att.default_tokens_per_split(rows);
-            let mut ws = k.att.workspace(g, rows, tps)?;
+            k.att.ensure_workspace(g, rows, tps, &mut sc.att_ws)?;
+            let ws = sc.att_ws.as_mut().expect("ensured above");
             let view = rings.slice(layer_off..);
             k.att
-                .run(g, &sc.q, &view, rl, rows, tps, &mut ws, scale, &mut sc.att)?;
+                .run(g, &sc.q, &view, rl, rows, tps, ws, scale, &mut sc.att)?;
         }
     }
     c.mark(Phase::Gemm)?;
@@ -454,7 +467,14 @@ fn layer(
                     .write_kv_unchecked(g, &sc.k, t, slots, &mut view, &c.global_layout)
             }?;
         }
-        c.global_attention(rows, &sc.q, &pool.slice(off..), scale, &mut sc.att)?;
+        c.global_attention(
+            rows,
+            &sc.q,
+            &pool.slice(off..),
+            scale,
+            &mut sc.att,
+            &mut sc.att_ws,
+        )?;
         c.mark(Phase::Gemm)?;
         linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
         c.mark(Phase::Elementwise)?;
@@ -465,7 +485,14 @@ fn layer(
         c.mark(Phase::Gemm)?;
         linear_bf16(g, &sc.xn, &cw.wq, &mut sc.q, t, qd, hd)?;
         let off = m.encoder_layers * m.block_size * row;
-        c.global_attention(&cr.rows, &sc.q, &pool.slice(off..), scale, &mut sc.att)?;
+        c.global_attention(
+            &cr.rows,
+            &sc.q,
+            &pool.slice(off..),
+            scale,
+            &mut sc.att,
+            &mut sc.att_ws,
+        )?;
         c.mark(Phase::Gemm)?;
         linear_bf16_beta(g, &sc.att, &cw.wo, &mut sc.h, t, hd, qd, true)?;
         c.mark(Phase::Elementwise)?;
@@ -486,10 +513,11 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
     linear_bf16(g, &sc.xn, &lw.router, &mut sc.rl_bf, t, e, hd)?;
     c.mark(Phase::Routing)?;
     k.ops.to_f32(g, &sc.rl_bf, &mut sc.rl_f, t * e)?;
-    let r = k.router.route(g, &sc.rl_f, t, true)?;
+    k.router.route_into(g, &sc.rl_f, t, true, &mut sc.routing)?;
+    let r = &sc.routing;
     let counts: Vec<i32> = g.stream.clone_dtoh(&r.counts)?;
     c.mark(Phase::Permute)?;
-    k.router.gather(g, &sc.xn, &r, t, hd, &mut sc.xs)?;
+    k.router.gather(g, &sc.xn, r, t, hd, &mut sc.xs)?;
     c.mark(Phase::Gemm)?;
     let mut off = 0usize;
     for (ex, &cnt) in lw.experts.iter().zip(&counts) {
@@ -527,7 +555,7 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
         off += n;
     }
     c.mark(Phase::Permute)?;
-    k.router.combine(g, &sc.ys, &r, t, hd, &mut sc.moe_out)?;
+    k.router.combine(g, &sc.ys, r, t, hd, &mut sc.moe_out)?;
     if let Some(sh) = &lw.shared {
         // the shared expert over every token, added to the routed experts' output (the routed
         // buffers are free again: gu and act hold at least t x 2 x shared_ffn, see Scratch)
