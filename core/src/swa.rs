@@ -81,6 +81,10 @@ pub struct SwaCache {
     dir: KeyMap<(MachineId, u32)>,
     machines: Vec<Machine>,
     now: Nanos,
+    /// No state expires before this: the earliest expiry of the machines' oldest entries when
+    /// they were last looked at (stores only append later ones), so most calls skip the scan
+    /// over every machine.
+    next_expiry: Nanos,
     stats: SwaStats,
 }
 
@@ -100,6 +104,7 @@ impl SwaCache {
             dir: KeyMap::default(),
             machines,
             now: Nanos::ZERO,
+            next_expiry: Nanos::MAX,
             stats: SwaStats::default(),
         })
     }
@@ -119,9 +124,15 @@ impl SwaCache {
         if now > self.now {
             self.now = now;
         }
+        if self.now < self.next_expiry {
+            return;
+        }
+        let mut next = Nanos::MAX;
         for mi in 0..self.machines.len() {
             while let Some(&(slot, at)) = self.machines[mi].order.front() {
-                if at.saturating_add(self.cfg.lifetime) > self.now {
+                let expires = at.saturating_add(self.cfg.lifetime);
+                if expires > self.now {
+                    next = next.min(expires);
                     break;
                 }
                 self.machines[mi].order.pop_front();
@@ -131,6 +142,7 @@ impl SwaCache {
                 }
             }
         }
+        self.next_expiry = next;
     }
 
     fn slot_is(&self, mi: usize, slot: u32, at: Nanos) -> bool {
@@ -173,6 +185,9 @@ impl SwaCache {
         });
         m.order.push_back((slot, self.now));
         m.used += 1;
+        self.next_expiry = self
+            .next_expiry
+            .min(self.now.saturating_add(self.cfg.lifetime));
         self.dir.insert(key, (MachineId(mi as u32), slot));
         self.stats.stores += 1;
     }

@@ -206,6 +206,10 @@ pub struct RankScratch {
     /// bin would chain every floating-point add on the previous one through memory.
     count: [u32; CONFIDENCE_BINS],
     sum: [[f64; CONFIDENCE_BINS]; RankScratch::LANES],
+    /// Drafts per rank bucket and per group of [`COARSE_WIDTH`] buckets, all zero between
+    /// calls (a fresh 1 KiB array per rank-step was a measurable memset).
+    bucket_count: [u32; RANK_BUCKETS],
+    coarse_count: [u32; COARSE_BUCKETS],
 }
 
 impl RankScratch {
@@ -219,6 +223,8 @@ impl Default for RankScratch {
             keys: Vec::new(),
             count: [0; CONFIDENCE_BINS],
             sum: [[0.0; CONFIDENCE_BINS]; RankScratch::LANES],
+            bucket_count: [0; RANK_BUCKETS],
+            coarse_count: [0; COARSE_BUCKETS],
         }
     }
 }
@@ -237,6 +243,9 @@ pub struct RankStep {
 /// Coarse rank buckets of the split's counting pass: few enough to clear per rank-step, many
 /// enough that the bucket holding the cut has only a handful of drafts.
 const RANK_BUCKETS: usize = 256;
+/// Rank buckets per group of the cut search.
+const COARSE_WIDTH: usize = 16;
+const COARSE_BUCKETS: usize = RANK_BUCKETS / COARSE_WIDTH;
 
 impl AcceptanceTable {
     pub fn new(m: &AcceptanceModel, drafts: u32, seed: u64) -> Self {
@@ -344,16 +353,25 @@ impl AcceptanceTable {
         hist: &mut ConfidenceHistogram,
     ) -> RankStep {
         // DSpark drafts 5 tokens: with the row length known the per-draft loops unroll.
-        if self.drafts == RECORD_DRAFTS {
-            self.step_rank_d::<RECORD_DRAFTS>(seqs, budget, next_word, scratch, out, hist)
-        } else {
-            self.step_rank_d::<0>(seqs, budget, next_word, scratch, out, hist)
+        // With a budget (dynamic verification) the drafts' rank buckets are counted too.
+        match (self.drafts == RECORD_DRAFTS, budget.is_some()) {
+            (true, true) => {
+                self.step_rank_d::<RECORD_DRAFTS, true>(seqs, budget, next_word, scratch, out, hist)
+            }
+            (true, false) => self
+                .step_rank_d::<RECORD_DRAFTS, false>(seqs, budget, next_word, scratch, out, hist),
+            (false, true) => {
+                self.step_rank_d::<0, true>(seqs, budget, next_word, scratch, out, hist)
+            }
+            (false, false) => {
+                self.step_rank_d::<0, false>(seqs, budget, next_word, scratch, out, hist)
+            }
         }
     }
 
     /// [`Self::step_rank`] for rows of `D` drafts read from `records` (`D` = [`RECORD_DRAFTS`]),
     /// or (`D` = 0) of `self.drafts` drafts read from the per-quantity tables.
-    fn step_rank_d<const D: usize>(
+    fn step_rank_d<const D: usize, const DYNAMIC: bool>(
         &self,
         seqs: &[DecodeSeq],
         budget: Option<u32>,
@@ -366,12 +384,13 @@ impl AcceptanceTable {
         let n = seqs.len();
         let out = &mut out[..n];
         hist.clear();
-        let mut bucket_count = [0u32; RANK_BUCKETS];
         let RankScratch {
             packed,
             keys,
             count,
             sum,
+            bucket_count,
+            coarse_count,
         } = scratch;
         packed.clear();
         // Draws first (in sequence order, as the unfused path), so the records can be
@@ -395,7 +414,7 @@ impl AcceptanceTable {
         }
         let (mut kv, mut total) = (0u64, 0usize);
         let mut max_kv = 0u32;
-        let dynamic = budget.is_some();
+        let dynamic = DYNAMIC;
         // Bins any draft of this step landed in: only those are merged and reset below.
         let mut touched = 0u64;
         for s in 0..n {
@@ -435,7 +454,9 @@ impl AcceptanceTable {
             for i in 0..d {
                 if i < m {
                     if dynamic {
-                        bucket_count[buckets[i] as usize] += 1;
+                        let b = buckets[i] as usize;
+                        bucket_count[b] += 1;
+                        coarse_count[b / COARSE_WIDTH] += 1;
                     }
                     let c = if D == RECORD_DRAFTS {
                         self.records[p].cum_conf[i]
@@ -463,6 +484,33 @@ impl AcceptanceTable {
             }
         }
         hist.seqs += n as u32;
+        // The cut's bucket, as in `split`: first the group of buckets holding it, then the
+        // bucket inside the group (at most 2 × 16 steps instead of up to 256). The counts are
+        // cleared group by group for the next call (untouched groups are already zero).
+        let (mut cut, mut below) = (0usize, 0usize);
+        if dynamic {
+            let limit = budget.map_or(usize::MAX, |b| b as usize);
+            if limit < total {
+                let mut g = 0;
+                while g < COARSE_BUCKETS && below + coarse_count[g] as usize <= limit {
+                    below += coarse_count[g] as usize;
+                    g += 1;
+                }
+                cut = g * COARSE_WIDTH;
+                if g < COARSE_BUCKETS {
+                    while below + bucket_count[cut] as usize <= limit {
+                        below += bucket_count[cut] as usize;
+                        cut += 1;
+                    }
+                }
+            }
+            for (g, c) in coarse_count.iter_mut().enumerate() {
+                if *c != 0 {
+                    *c = 0;
+                    bucket_count[g * COARSE_WIDTH..(g + 1) * COARSE_WIDTH].fill(0);
+                }
+            }
+        }
         let budget = match budget {
             Some(b) if (b as usize) < total => b as usize,
             _ => {
@@ -483,12 +531,6 @@ impl AcceptanceTable {
                 };
             }
         };
-        // The cut's bucket, as in `split`.
-        let (mut cut, mut below) = (0usize, 0usize);
-        while cut < RANK_BUCKETS && below + bucket_count[cut] as usize <= budget {
-            below += bucket_count[cut] as usize;
-            cut += 1;
-        }
         keys.clear();
         let mut verified = 0u32;
         for (s, (o, &w)) in out.iter_mut().zip(packed.iter()).enumerate() {

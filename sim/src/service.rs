@@ -702,6 +702,13 @@ fn nanos_from_secs(s: f64) -> Nanos {
         return Nanos::MAX;
     }
     let v = s * 1e9;
+    // `i64::MAX as f64` is 2^63 exactly.
+    if v < i64::MAX as f64 {
+        // Below 2^63 the signed conversions (one instruction each way on x86_64, where the
+        // unsigned ones are emulated) give the same values.
+        let t = v as i64;
+        return Nanos(t as u64 + u64::from(v - t as f64 >= 0.5));
+    }
     let t = v as u64;
     Nanos(t + u64::from(v - t as f64 >= 0.5))
 }
@@ -745,7 +752,10 @@ impl<'a> Sim<'a> {
         seed: u64,
     ) -> Result<Self, ConfigError> {
         let c = &cfg.constants;
-        let store = KvStore::new(cfg.store.clone(), c.block_bytes())?;
+        let mut store = KvStore::new(cfg.store.clone(), c.block_bytes())?;
+        // Sized once for the whole run: growing the table of tens of millions of blocks step by
+        // step rebuilt it many times (and took most of the run's page faults).
+        store.reserve(Self::blocks_written_bound(cfg, reqs));
         let swa = SwaCache::new(cfg.swa.clone())?;
         let lb = PrefillBalancer::new(
             cfg.prefill.lb.clone(),
@@ -882,6 +892,31 @@ impl<'a> Sim<'a> {
             reassignments: 0,
             reassignment_ns: 0,
         })
+    }
+
+    /// At most how many objects the run writes to the store: the full blocks of every distinct
+    /// chain up to its longest context (a prefix shared by several chains counts once per
+    /// chain), plus two SWA objects per request (after prefill and after decode) when SWA
+    /// state lives in the store.
+    fn blocks_written_bound(cfg: &ServiceConfig, reqs: &[Request]) -> usize {
+        let mut upto: HashMap<usize, u32, KeyBuildHasher> = HashMap::default();
+        for r in reqs {
+            let t = upto
+                .entry(std::sync::Arc::as_ptr(&r.content) as usize)
+                .or_insert(0);
+            *t = (*t).max(r.context_tokens());
+        }
+        let mut blocks: usize = reqs
+            .iter()
+            .filter_map(|r| {
+                let t = upto.remove(&(std::sync::Arc::as_ptr(&r.content) as usize))?;
+                Some(r.content.full_blocks(t).len())
+            })
+            .sum();
+        if cfg.hit_policy.swa_source() == SwaSource::BlockStore {
+            blocks += 2 * reqs.len();
+        }
+        blocks
     }
 
     fn in_steady(&self, t: Nanos) -> bool {

@@ -108,9 +108,9 @@ struct Rank {
     waiting: VecDeque<Waiting>,
     waiting_kv: u64,
     seen: ConfidenceHistogram,
-    /// Slots holding a finished sequence, freed by the next `plan_step` (which skips the
-    /// slot scan when there are none: most steps finish no sequence on a rank).
-    finished: u32,
+    /// Slots holding a finished sequence, freed by the next `plan_step` in slot order (as a
+    /// scan of the slots would: the free list's order decides where admitted sequences go).
+    finished: Vec<u32>,
 }
 
 /// What one sequence emitted in a step.
@@ -247,23 +247,19 @@ impl DecodeGroup {
         let cap = self.cfg.kv_capacity_tokens_per_rank;
         let mut yes = 0;
         for rank in &mut self.ranks {
-            let scan = if rank.finished > 0 {
-                rank.slots.len()
-            } else {
-                0
-            };
-            for i in 0..scan {
-                if let Some(s) = rank.slots[i]
+            rank.finished.sort_unstable();
+            for &i in &rank.finished {
+                if let Some(s) = rank.slots[i as usize]
                     && s.done
                 {
-                    rank.slots[i] = None;
-                    rank.free.push(i as u32);
+                    rank.slots[i as usize] = None;
+                    rank.free.push(i);
                     rank.active -= 1;
                     rank.reserved -= s.reserved();
                     rank.kv_tokens -= u64::from(s.kv_tokens);
                 }
             }
-            rank.finished = 0;
+            rank.finished.clear();
             while rank.active < max {
                 let Some(w) = rank.waiting.front().copied() else {
                     break;
@@ -476,7 +472,9 @@ impl DecodeGroup {
                 s.kv_tokens += tokens;
                 rank.kv_tokens += u64::from(tokens);
                 s.done = s.remaining == 0;
-                rank.finished += u32::from(s.done);
+                if s.done {
+                    rank.finished.push(e.slot);
+                }
                 emit(
                     r as u32 * max + e.slot,
                     SeqEmission {
@@ -505,6 +503,17 @@ impl DecodeGroup {
                 return Err(format!(
                     "decode rank {i}: {} sequences over the limit",
                     r.active
+                ));
+            }
+            let done = live.iter().filter(|s| s.done).count();
+            let listed_done = r.finished.iter().all(|&k| {
+                r.slots
+                    .get(k as usize)
+                    .is_some_and(|s| s.is_some_and(|s| s.done))
+            });
+            if done != r.finished.len() || !listed_done {
+                return Err(format!(
+                    "decode rank {i}: finished sequences not all listed for release"
                 ));
             }
             let kv: u64 = live.iter().map(|s| u64::from(s.kv_tokens)).sum();
@@ -590,6 +599,11 @@ impl DecodeBalancer {
                     for r in 0..g.ranks() {
                         let (n, kv) = g.rank_load(r);
                         let a = f64::from(n + 1) / f64::from(c.max_seqs_per_rank);
+                        // max(a, b) >= a: a rank whose count share alone exceeds the best
+                        // larger share cannot win, and its KV share (a division) is not needed.
+                        if best.is_some_and(|(bh, _, _)| a > bh) {
+                            continue;
+                        }
                         let b = (kv + context_tokens) as f64 / c.kv_capacity_tokens_per_rank as f64;
                         let (hi, sum) = (a.max(b), a + b);
                         if best.is_none_or(|(bh, bs, _)| hi < bh || (hi == bh && sum < bs)) {
@@ -697,6 +711,32 @@ mod tests {
         assert!(out[0].finished);
         assert!(!g.plan_step(&mut p));
         assert!(g.is_idle());
+        g.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn finished_sequences_must_be_listed_for_release() {
+        let mut g = DecodeGroup::new(
+            EngineId(0),
+            cfg(1, VerificationPolicy::Fixed { drafts: 0 }, Scheduling::Sync),
+            model(),
+        )
+        .unwrap();
+        g.admit(0, RequestId(1), 10, 1).unwrap();
+        g.admit(0, RequestId(2), 10, 5).unwrap();
+        let mut plan = empty();
+        assert!(g.plan_step(&mut plan));
+        let mut out = Vec::new();
+        g.apply_report(&plan, &report(&plan, 0), &mut out);
+        assert!(out[0].finished && !out[1].finished);
+        g.check_invariants().unwrap();
+        let listed = std::mem::take(&mut g.ranks[0].finished);
+        assert!(g.check_invariants().is_err());
+        g.ranks[0].finished = listed;
+        // The next plan releases the finished slot and plans only the other sequence.
+        assert!(g.plan_step(&mut plan));
+        assert_eq!(plan.seqs.len(), 1);
+        assert_eq!(plan.seqs[0].request, RequestId(2));
         g.check_invariants().unwrap();
     }
 
