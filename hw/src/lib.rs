@@ -7,6 +7,7 @@ pub mod affinity;
 pub mod backend;
 pub mod calibrate;
 pub mod checks;
+pub mod cli;
 pub mod clock;
 pub mod commands;
 pub mod conformance;
