@@ -29,7 +29,7 @@ use servelab_core::engine::prefill_lb::Submitted;
 use servelab_core::engine::{
     Backend, ChunkPolicy, DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy,
     DecodePlan, PrefillBalancer, PrefillEngine, PrefillJob, PrefillLbPolicy, PrefillPlan,
-    QueuedPrefill, Scheduling, StepPlan, StepReport, VerificationPolicy,
+    QueuedPrefill, Scheduling, SeqEmission, StepPlan, StepReport, VerificationPolicy,
 };
 use servelab_core::eplb::{ExpertLoadConfig, ExpertLoadModel, MoeBatch};
 use servelab_core::{
@@ -580,6 +580,60 @@ impl SeqTrack {
         max_gap: Nanos::ZERO,
         emitted: 0,
     };
+}
+
+/// What a decode step's emissions update, handed each emission in turn by the group. A method
+/// forced inline rather than one large closure: the group calls it from more than one place,
+/// and a closure called from several is compiled out of line (a call per sequence-step).
+struct Emissions<'s> {
+    now: Nanos,
+    warmup: Nanos,
+    until: Option<Nanos>,
+    reqs: &'s [Request],
+    state: &'s mut [ReqState],
+    side: &'s mut [SeqTrack],
+    gaps: &'s mut Histogram,
+    finished: &'s mut Vec<u32>,
+    emissions: u64,
+    tokens: u64,
+    measured_tokens: u64,
+}
+
+impl Emissions<'_> {
+    #[inline(always)]
+    fn emit(&mut self, k: u32, e: SeqEmission) {
+        let i = e.request.0 as usize;
+        let t = &mut self.side[k as usize];
+        if t.request != i as u32 {
+            // The sequence's first step: its running state moves next to its slot.
+            let st = &self.state[i];
+            let a = self.reqs[i].arrival;
+            *t = SeqTrack {
+                request: i as u32,
+                measured: a >= self.warmup && self.until.is_none_or(|m| a < m),
+                last_token: st.last_token,
+                max_gap: st.max_gap,
+                emitted: st.emitted,
+            };
+        }
+        let gap = self.now - t.last_token;
+        t.max_gap = t.max_gap.max(gap);
+        t.last_token = self.now;
+        t.emitted += e.tokens;
+        self.emissions += 1;
+        self.tokens += u64::from(e.tokens);
+        if t.measured {
+            self.gaps.record(gap.0);
+            self.measured_tokens += u64::from(e.tokens);
+        }
+        if e.finished {
+            let st = &mut self.state[i];
+            st.last_token = t.last_token;
+            st.max_gap = t.max_gap;
+            st.emitted = t.emitted;
+            self.finished.push(i as u32);
+        }
+    }
 }
 
 struct DecodeDriver {
@@ -1501,56 +1555,32 @@ impl<'a> Sim<'a> {
         let steady = self.in_steady(now - self.decode[g].report.duration);
         let d = &mut self.decode[g];
         let group = &mut self.groups[g];
-        if asynchronous {
-            // The CPU built step N+1 while step N ran, before knowing N's acceptances.
-            let StepPlan::Decode(p) = &mut d.plans[1] else {
-                unreachable!("decode plan")
-            };
-            group.plan_step(p);
-            d.next_built = !p.seqs.is_empty();
-        }
-        let StepPlan::Decode(p) = &d.plans[0] else {
-            unreachable!("decode plan")
+        self.finished_seqs.clear();
+        let mut em = Emissions {
+            now,
+            warmup: self.cfg.warmup,
+            until: self.cfg.measure_until,
+            reqs: self.reqs,
+            state: &mut self.state,
+            side: &mut d.side,
+            gaps: &mut self.lat.gap_ns,
+            finished: &mut self.finished_seqs,
+            emissions: 0,
+            tokens: 0,
+            measured_tokens: 0,
         };
-        let (warmup, until) = (self.cfg.warmup, self.cfg.measure_until);
-        let (reqs, state, side) = (self.reqs, &mut self.state, &mut d.side);
-        let gaps = &mut self.lat.gap_ns;
-        let finished = &mut self.finished_seqs;
-        finished.clear();
-        let (mut emissions, mut tokens, mut measured_tokens) = (0u64, 0u64, 0u64);
-        group.apply_report_taking(p, &mut d.report, |k, e| {
-            let i = e.request.0 as usize;
-            let t = &mut side[k as usize];
-            if t.request != i as u32 {
-                // The sequence's first step: its running state moves next to its slot.
-                let st = &state[i];
-                let a = reqs[i].arrival;
-                *t = SeqTrack {
-                    request: i as u32,
-                    measured: a >= warmup && until.is_none_or(|m| a < m),
-                    last_token: st.last_token,
-                    max_gap: st.max_gap,
-                    emitted: st.emitted,
-                };
-            }
-            let gap = now - t.last_token;
-            t.max_gap = t.max_gap.max(gap);
-            t.last_token = now;
-            t.emitted += e.tokens;
-            emissions += 1;
-            tokens += u64::from(e.tokens);
-            if t.measured {
-                gaps.record(gap.0);
-                measured_tokens += u64::from(e.tokens);
-            }
-            if e.finished {
-                let st = &mut state[i];
-                st.last_token = t.last_token;
-                st.max_gap = t.max_gap;
-                st.emitted = t.emitted;
-                finished.push(i as u32);
-            }
-        });
+        let [StepPlan::Decode(cur), StepPlan::Decode(next)] = &mut d.plans else {
+            unreachable!("decode plans")
+        };
+        if asynchronous {
+            // The CPU built step N+1 while step N ran, before knowing N's acceptances: planned
+            // in the same pass over the slots that applies N's report.
+            d.next_built =
+                group.plan_and_apply_taking(next, cur, &mut d.report, |k, e| em.emit(k, e));
+        } else {
+            group.apply_report_taking(cur, &mut d.report, |k, e| em.emit(k, e));
+        }
+        let (emissions, tokens, measured_tokens) = (em.emissions, em.tokens, em.measured_tokens);
         if steady {
             self.steady.decode_emissions += emissions;
             self.steady.decode_tokens += tokens;

@@ -132,6 +132,8 @@ pub struct DecodeGroup {
     wasted_slots: u64,
     /// Scratch: every rank's last confidences pooled.
     pooled: ConfidenceHistogram,
+    /// Scratch of [`Self::plan_and_apply_taking`]: KV each rank's sequences emitted.
+    kv_added: Vec<u64>,
 }
 
 impl DecodeGroup {
@@ -170,6 +172,7 @@ impl DecodeGroup {
             vote,
             wasted_slots: 0,
             pooled: ConfidenceHistogram::default(),
+            kv_added: Vec::new(),
         })
     }
 
@@ -239,97 +242,187 @@ impl DecodeGroup {
     /// fit, votes on the verification mode and fixes each rank's budget. Returns false when no
     /// rank has a sequence.
     pub fn plan_step(&mut self, plan: &mut DecodePlan) -> bool {
+        self.begin_plan(plan);
+        let drafts = self.per_seq_drafts();
+        let mut yes = 0;
+        for rank in &mut self.ranks {
+            yes += u32::from(Self::release_and_admit(rank, &self.cfg));
+            let start = plan.seqs.len() as u32;
+            let mut max_total = 0u32;
+            for (i, s) in rank.slots.iter().enumerate() {
+                if let Some(s) = s
+                    && !s.done
+                {
+                    max_total += Self::push_seq(plan, s, i as u32, drafts);
+                }
+            }
+            plan.ranks.push(DecodeRankPlan {
+                seq_start: start,
+                seq_end: plan.seqs.len() as u32,
+                verify_budget: max_total,
+            });
+        }
+        self.finish_plan(plan, yes);
+        !plan.seqs.is_empty()
+    }
+
+    /// `plan_step(next)` followed by `apply_report_taking(cur, report, emit)` (async scheduling:
+    /// step N+1 is planned from what was known before step N's report, then N's report is
+    /// applied), rank by rank so that each rank's slots are read twice while they are in L1
+    /// rather than once per pass over the whole group. Same plan, emissions (in the same
+    /// order), state and return value as the two calls. Panics, as `apply_report_taking` does,
+    /// when `cur` has more ranks than the group.
+    pub fn plan_and_apply_taking(
+        &mut self,
+        next: &mut DecodePlan,
+        cur: &DecodePlan,
+        report: &mut StepReport,
+        mut emit: impl FnMut(u32, SeqEmission),
+    ) -> bool {
+        assert!(
+            cur.ranks.len() <= self.ranks.len(),
+            "a plan of {} ranks applied to a group of {}",
+            cur.ranks.len(),
+            self.ranks.len()
+        );
+        self.begin_plan(next);
+        let drafts = self.per_seq_drafts();
+        let max = self.cfg.max_seqs_per_rank;
+        let outcomes = &report.seqs;
+        let mut yes = 0;
+        // The step's new KV per rank, added after the budgets below are fixed on the KV
+        // before the report (as `plan_step` would see it).
+        self.kv_added.clear();
+        for (r, rank) in self.ranks.iter_mut().enumerate() {
+            yes += u32::from(Self::release_and_admit(rank, &self.cfg));
+            let start = next.seqs.len() as u32;
+            let mut max_total = 0u32;
+            for (i, s) in rank.slots.iter().enumerate() {
+                if let Some(s) = s
+                    && !s.done
+                {
+                    max_total += Self::push_seq(next, s, i as u32, drafts);
+                }
+            }
+            next.ranks.push(DecodeRankPlan {
+                seq_start: start,
+                seq_end: next.seqs.len() as u32,
+                verify_budget: max_total,
+            });
+            let mut added = 0u64;
+            let range = cur
+                .ranks
+                .get(r)
+                .map_or(0..0, |rp| rp.seq_start as usize..rp.seq_end as usize);
+            for i in range {
+                let e = &cur.seqs[i];
+                let outcome = outcomes.get(i).copied().unwrap_or_default();
+                let slot = rank.slots.get_mut(e.slot as usize).and_then(Option::as_mut);
+                let Some(s) = slot.filter(|s| s.request == e.request && !s.done) else {
+                    self.wasted_slots += 1;
+                    continue;
+                };
+                let em = Self::emit_seq(s, e, outcome, &mut rank.finished);
+                added += u64::from(em.tokens);
+                emit(r as u32 * max + e.slot, em);
+            }
+            self.kv_added.push(added);
+        }
+        self.finish_plan(next, yes);
+        let ranks = &mut report.ranks;
+        for (r, (rank, &added)) in self.ranks.iter_mut().zip(&self.kv_added).enumerate() {
+            rank.kv_tokens += added;
+            if let Some(o) = ranks.get_mut(r).filter(|_| r < cur.ranks.len())
+                && o.confidence.seqs > 0
+            {
+                std::mem::swap(&mut rank.seen, &mut o.confidence);
+            }
+        }
+        !next.seqs.is_empty()
+    }
+
+    fn begin_plan(&self, plan: &mut DecodePlan) {
         plan.engine = self.id;
         plan.ranks.clear();
         plan.seqs.clear();
         plan.expert_imbalance = self.cfg.expert_imbalance;
-        let max = self.cfg.max_seqs_per_rank;
-        let cap = self.cfg.kv_capacity_tokens_per_rank;
-        let mut yes = 0;
-        for rank in &mut self.ranks {
-            rank.finished.sort_unstable();
-            for &i in &rank.finished {
-                if let Some(s) = rank.slots[i as usize]
-                    && s.done
-                {
-                    rank.slots[i as usize] = None;
-                    rank.free.push(i);
-                    rank.active -= 1;
-                    rank.reserved -= s.reserved();
-                    rank.kv_tokens -= u64::from(s.kv_tokens);
-                }
-            }
-            rank.finished.clear();
-            while rank.active < max {
-                let Some(w) = rank.waiting.front().copied() else {
-                    break;
-                };
-                let need = u64::from(w.kv_tokens) + u64::from(w.remaining);
-                if rank.reserved + need > cap {
-                    break;
-                }
-                rank.waiting.pop_front();
-                rank.waiting_kv -= need;
-                let seq = Seq {
-                    request: w.request,
-                    kv_tokens: w.kv_tokens,
-                    remaining: w.remaining,
-                    done: false,
-                };
-                match rank.free.pop() {
-                    Some(i) => rank.slots[i as usize] = Some(seq),
-                    None => rank.slots.push(Some(seq)),
-                }
-                rank.active += 1;
-                rank.reserved += need;
-                rank.kv_tokens += u64::from(w.kv_tokens);
-            }
-            if let VerificationPolicy::Dynamic {
-                min_seqs_per_rank, ..
-            } = self.cfg.verification
-                && rank.active >= min_seqs_per_rank
+    }
+
+    fn per_seq_drafts(&self) -> u32 {
+        match self.cfg.verification {
+            VerificationPolicy::Fixed { drafts } => drafts,
+            VerificationPolicy::Dynamic { .. } => self.cfg.draft_tokens,
+        }
+    }
+
+    /// Releases the rank's finished sequences (in slot order) and admits waiting ones that fit.
+    /// Returns whether the rank votes for dynamic verification.
+    fn release_and_admit(rank: &mut Rank, cfg: &DecodeGroupConfig) -> bool {
+        let (max, cap) = (cfg.max_seqs_per_rank, cfg.kv_capacity_tokens_per_rank);
+        rank.finished.sort_unstable();
+        for &i in &rank.finished {
+            if let Some(s) = rank.slots[i as usize]
+                && s.done
             {
-                yes += 1;
+                rank.slots[i as usize] = None;
+                rank.free.push(i);
+                rank.active -= 1;
+                rank.reserved -= s.reserved();
+                rank.kv_tokens -= u64::from(s.kv_tokens);
             }
         }
+        rank.finished.clear();
+        while rank.active < max {
+            let Some(w) = rank.waiting.front().copied() else {
+                break;
+            };
+            let need = u64::from(w.kv_tokens) + u64::from(w.remaining);
+            if rank.reserved + need > cap {
+                break;
+            }
+            rank.waiting.pop_front();
+            rank.waiting_kv -= need;
+            let seq = Seq {
+                request: w.request,
+                kv_tokens: w.kv_tokens,
+                remaining: w.remaining,
+                done: false,
+            };
+            match rank.free.pop() {
+                Some(i) => rank.slots[i as usize] = Some(seq),
+                None => rank.slots.push(Some(seq)),
+            }
+            rank.active += 1;
+            rank.reserved += need;
+            rank.kv_tokens += u64::from(w.kv_tokens);
+        }
+        matches!(cfg.verification, VerificationPolicy::Dynamic { min_seqs_per_rank, .. }
+            if rank.active >= min_seqs_per_rank)
+    }
+
+    /// Plans live sequence `s` in `slot`; returns its drafts.
+    #[inline]
+    fn push_seq(plan: &mut DecodePlan, s: &Seq, slot: u32, drafts: u32) -> u32 {
+        let d = drafts.min(s.remaining.saturating_sub(1));
+        plan.seqs.push(DecodeSeq {
+            request: s.request,
+            kv_tokens: s.kv_tokens,
+            max_drafts: d,
+            slot,
+        });
+        d
+    }
+
+    /// Votes on the mode and fixes the budgets of a plan whose sequences are in place.
+    fn finish_plan(&mut self, plan: &mut DecodePlan, yes: u32) {
         let dynamic = match &mut self.vote {
             Some(v) => v.round(yes, self.cfg.ranks),
             None => false,
         };
-        let per_seq_drafts = match self.cfg.verification {
-            VerificationPolicy::Fixed { drafts } => drafts,
-            VerificationPolicy::Dynamic { .. } => self.cfg.draft_tokens,
-        };
         plan.dynamic = dynamic;
-        for rank in &self.ranks {
-            let start = plan.seqs.len() as u32;
-            let mut max_total = 0u32;
-            for (i, s) in rank.slots.iter().enumerate() {
-                if let Some(s) = s {
-                    if s.done {
-                        continue;
-                    }
-                    let d = per_seq_drafts.min(s.remaining.saturating_sub(1));
-                    max_total += d;
-                    plan.seqs.push(DecodeSeq {
-                        request: s.request,
-                        kv_tokens: s.kv_tokens,
-                        max_drafts: d,
-                        slot: i as u32,
-                    });
-                }
-            }
-            let end = plan.seqs.len() as u32;
-            plan.ranks.push(DecodeRankPlan {
-                seq_start: start,
-                seq_end: end,
-                verify_budget: max_total,
-            });
-        }
         if dynamic {
             self.fix_budgets(plan);
         }
-        !plan.seqs.is_empty()
     }
 
     /// Dynamic verification: replaces each rank's budget (set to its maximum) by the chosen one.
@@ -467,23 +560,33 @@ impl DecodeGroup {
                     self.wasted_slots += 1;
                     continue;
                 };
-                let tokens = (u32::from(outcome.accepted) + 1).min(s.remaining);
-                s.remaining -= tokens;
-                s.kv_tokens += tokens;
-                rank.kv_tokens += u64::from(tokens);
-                s.done = s.remaining == 0;
-                if s.done {
-                    rank.finished.push(e.slot);
-                }
-                emit(
-                    r as u32 * max + e.slot,
-                    SeqEmission {
-                        request: e.request,
-                        tokens,
-                        finished: s.done,
-                    },
-                );
+                let em = Self::emit_seq(s, e, outcome, &mut rank.finished);
+                rank.kv_tokens += u64::from(em.tokens);
+                emit(r as u32 * max + e.slot, em);
             }
+        }
+    }
+
+    /// Live sequence `s` (planned as `e`) emits its accepted drafts plus one token; a finished
+    /// one is listed for release. The rank's KV count is the caller's to update.
+    #[inline]
+    fn emit_seq(
+        s: &mut Seq,
+        e: &DecodeSeq,
+        outcome: SeqOutcome,
+        finished: &mut Vec<u32>,
+    ) -> SeqEmission {
+        let tokens = (u32::from(outcome.accepted) + 1).min(s.remaining);
+        s.remaining -= tokens;
+        s.kv_tokens += tokens;
+        s.done = s.remaining == 0;
+        if s.done {
+            finished.push(e.slot);
+        }
+        SeqEmission {
+            request: e.request,
+            tokens,
+            finished: s.done,
         }
     }
 
@@ -878,6 +981,82 @@ mod tests {
         }
         assert_eq!(a.wasted_slots(), b.wasted_slots());
         b.check_invariants().unwrap();
+    }
+
+    /// Async scheduling through the fused call gives the same plans, emissions (keys and
+    /// order), wasted slots, confidences and state as `plan_step` then `apply_report_taking`,
+    /// with admissions into freed slots, finishes mid-flight and the group budget in play.
+    #[test]
+    fn plan_and_apply_matches_plan_then_apply() {
+        let pol = VerificationPolicy::Dynamic {
+            min_seqs_per_rank: 0,
+            vote: VoteMode::All,
+            confirmation_rounds: 0,
+            budget: BudgetScope::Group,
+        };
+        let base = DecodeGroupConfig {
+            max_seqs_per_rank: 3,
+            ..cfg(2, pol, Scheduling::Async)
+        };
+        // KV enters the step time, so budgets fixed on the KV after the report would differ.
+        let kv_model = DecodeTimeModel {
+            per_kv_token_ns: 5.0,
+            ..model()
+        };
+        let mut a = DecodeGroup::new(EngineId(0), base, kv_model).unwrap();
+        let mut b = a.clone();
+        let (mut pa, mut pb) = ([empty(), empty()], [empty(), empty()]);
+        a.plan_step(&mut pa[0]);
+        b.plan_step(&mut pb[0]);
+        let mut next_id = 1u64;
+        let (mut out_a, mut out_b) = (vec![], vec![]);
+        let mut total_wasted = 0;
+        for step in 0..24u32 {
+            // New arrivals on both groups alike, some of them straight into freed slots.
+            for r in 0..2 {
+                if (step + r) % 3 == 0 {
+                    let out = 1 + (step * 7 + r * 5) % 9;
+                    let x = a.admit(r, RequestId(next_id), 10 + step, out);
+                    assert_eq!(x, b.admit(r, RequestId(next_id), 10 + step, out));
+                    next_id += 1;
+                }
+            }
+            let mut rep = report(&pa[0], (step % 4) as u8);
+            for (r, h) in rep.ranks.iter_mut().enumerate() {
+                h.confidence
+                    .add(&[0.9, 0.6 - 0.02 * f64::from(step), 0.2], r as u32 + 1);
+            }
+            let mut rep_b = rep.clone();
+            let [cur_a, next_a] = &mut pa;
+            let built_a = a.plan_step(next_a);
+            out_a.clear();
+            a.apply_report_taking(cur_a, &mut rep, |k, e| out_a.push((k, e)));
+            let [cur_b, next_b] = &mut pb;
+            out_b.clear();
+            let built_b = b.plan_and_apply_taking(next_b, cur_b, &mut rep_b, |k, e| {
+                out_b.push((k, e));
+            });
+            assert_eq!(built_a, built_b);
+            assert_eq!(pa[1], pb[1], "step {step}");
+            assert_eq!(out_a, out_b, "step {step}");
+            assert_eq!(a.wasted_slots(), b.wasted_slots());
+            for (ra, rb) in a.ranks.iter().zip(&b.ranks) {
+                assert_eq!(ra.seen, rb.seen);
+                assert_eq!(
+                    (ra.kv_tokens, ra.reserved, ra.active),
+                    (rb.kv_tokens, rb.reserved, rb.active)
+                );
+                assert_eq!(ra.finished, rb.finished);
+                assert_eq!(ra.free, rb.free);
+            }
+            a.check_invariants().unwrap();
+            b.check_invariants().unwrap();
+            total_wasted = b.wasted_slots();
+            pa.swap(0, 1);
+            pb.swap(0, 1);
+        }
+        assert!(total_wasted > 0, "the run must exercise stale sequences");
+        assert!(next_id > 10);
     }
 
     #[test]
