@@ -226,7 +226,7 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
             };
             let text = commands::calibrate(gpu()?, &o, log)?;
             println!("{text}");
-            log(&format!("wrote {}", out.display()));
+            println!("wrote {}", out.display());
         }
         HwCommand::Conformance {
             config,
@@ -276,13 +276,13 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
                 prefix,
             };
             let a = commands::conformance(&o, log)?;
-            log(&format!(
+            println!(
                 "{} plans, {} mismatched; step-time error median {:.1}%, P90 {:.1}%",
                 a.steps,
                 a.replay.mismatched_steps,
                 100.0 * a.step_errors.all.abs_median,
                 100.0 * a.step_errors.all.abs_p90
-            ));
+            );
             if a.replay.mismatched_steps > 0 {
                 return Err(CommandError::Failed(format!(
                     "{} of {} plans differ between the GPU run and its replay",
