@@ -246,21 +246,7 @@ impl DecodeGroup {
         let drafts = self.per_seq_drafts();
         let mut yes = 0;
         for rank in &mut self.ranks {
-            yes += u32::from(Self::release_and_admit(rank, &self.cfg));
-            let start = plan.seqs.len() as u32;
-            let mut max_total = 0u32;
-            for (i, s) in rank.slots.iter().enumerate() {
-                if let Some(s) = s
-                    && !s.done
-                {
-                    max_total += Self::push_seq(plan, s, i as u32, drafts);
-                }
-            }
-            plan.ranks.push(DecodeRankPlan {
-                seq_start: start,
-                seq_end: plan.seqs.len() as u32,
-                verify_budget: max_total,
-            });
+            yes += u32::from(Self::plan_rank(rank, &self.cfg, plan, drafts));
         }
         self.finish_plan(plan, yes);
         !plan.seqs.is_empty()
@@ -294,21 +280,7 @@ impl DecodeGroup {
         // before the report (as `plan_step` would see it).
         self.kv_added.clear();
         for (r, rank) in self.ranks.iter_mut().enumerate() {
-            yes += u32::from(Self::release_and_admit(rank, &self.cfg));
-            let start = next.seqs.len() as u32;
-            let mut max_total = 0u32;
-            for (i, s) in rank.slots.iter().enumerate() {
-                if let Some(s) = s
-                    && !s.done
-                {
-                    max_total += Self::push_seq(next, s, i as u32, drafts);
-                }
-            }
-            next.ranks.push(DecodeRankPlan {
-                seq_start: start,
-                seq_end: next.seqs.len() as u32,
-                verify_budget: max_total,
-            });
+            yes += u32::from(Self::plan_rank(rank, &self.cfg, next, drafts));
             let mut added = 0u64;
             let range = cur
                 .ranks
@@ -357,6 +329,33 @@ impl DecodeGroup {
 
     /// Releases the rank's finished sequences (in slot order) and admits waiting ones that fit.
     /// Returns whether the rank votes for dynamic verification.
+    /// One rank's part of the next plan: releases its finished sequences, admits waiting ones,
+    /// appends its live sequences and its rank plan (budget = the sum of their drafts). Returns
+    /// the rank's vote, as [`Self::release_and_admit`].
+    fn plan_rank(
+        rank: &mut Rank,
+        cfg: &DecodeGroupConfig,
+        plan: &mut DecodePlan,
+        drafts: u32,
+    ) -> bool {
+        let vote = Self::release_and_admit(rank, cfg);
+        let start = plan.seqs.len() as u32;
+        let mut max_total = 0u32;
+        for (i, s) in rank.slots.iter().enumerate() {
+            if let Some(s) = s
+                && !s.done
+            {
+                max_total += Self::push_seq(plan, s, i as u32, drafts);
+            }
+        }
+        plan.ranks.push(DecodeRankPlan {
+            seq_start: start,
+            seq_end: plan.seqs.len() as u32,
+            verify_budget: max_total,
+        });
+        vote
+    }
+
     fn release_and_admit(rank: &mut Rank, cfg: &DecodeGroupConfig) -> bool {
         let (max, cap) = (cfg.max_seqs_per_rank, cfg.kv_capacity_tokens_per_rank);
         rank.finished.sort_unstable();
