@@ -963,6 +963,7 @@ impl PagedAttention {
             .as_ref()
             .is_some_and(|w| w.m.len() >= n && w.acc.len() >= n * self.shape.d_v);
         if !fits {
+            // Free the old one first: both at once could be the step's largest allocation twice.
             *ws = None;
             *ws = Some(self.workspace(gpu, rows, tokens_per_split)?);
         }
