@@ -421,3 +421,39 @@ fn hw_conformance_replays_a_committed_record_and_takes_a_clock() {
         stderr(&o)
     );
 }
+
+#[test]
+fn hw_conformance_wide_record_meets_the_targets_offline() {
+    // No GPU needed: the committed run-17 record of the device-bound wide model, re-analysed
+    // with the committed profile of that run, replays with every plan identical and meets both
+    // targets (the claim in hw/README "Runs 16–18").
+    let d = scratch("conformance-wide");
+    let record = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../hw/measurements/2026-11-29-nvidia-h200-run17-wide-conformance-record.json"
+    );
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/conformance-wide.toml");
+    let profile = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../sim/profiles/h200-wide-measured.toml"
+    );
+    let o = servelab(&[
+        "hw",
+        "conformance",
+        config,
+        "--record",
+        record,
+        "--profile",
+        profile,
+        "--out",
+        d.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report = std::fs::read_to_string(d.join("conformance.md")).unwrap();
+    assert!(report.contains("**0 mismatched**"), "{report}");
+    assert!(report.contains("Target median ≤ 5.0%: met."), "{report}");
+    assert!(
+        report.contains("Target TTFT P50 and P99 within 10.0%: met."),
+        "{report}"
+    );
+}

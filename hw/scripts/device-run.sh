@@ -6,8 +6,11 @@
 # conformance.json, conformance-record.json, speed.json, and the wall-clock conformance run:
 # conformance-wall.md, conformance-wall.json, conformance-wall-record.json).
 # SKIP_TESTS=1 / SKIP_CHECK=1 / SKIP_CALIBRATE=1 / SKIP_CONFORMANCE=1 / SKIP_WALL=1 /
-# SKIP_SPEED=1 skip those parts.
+# SKIP_SPEED=1 skip those parts. CONFORMANCE_CONFIG=path picks the conformance config (and the
+# calibration workload, whose model the calibration grid then runs on); default
+# experiments/configs/conformance.toml.
 set -uo pipefail
+conf=${CONFORMANCE_CONFIG:-experiments/configs/conformance.toml}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 b=$(cd "$(dirname "$0")" && pwd)
@@ -51,21 +54,21 @@ if [[ "${SKIP_CHECK:-0}" != 1 ]]; then
 fi
 # Calibrate first: conformance predicts with the profile measured here, on this build.
 if [[ "${SKIP_CALIBRATE:-0}" != 1 ]]; then
-  wl=(); [[ -f experiments/configs/conformance.toml ]] && wl=(--workload experiments/configs/conformance.toml)
+  wl=(); [[ -f "$conf" ]] && wl=(--workload "$conf")
   timeout 400 "$b/servelab-gpu" calibrate --out "$out/h200-measured.toml" "${wl[@]}" \
     --date "$date_utc" --commit "$commit" --driver "$driver" > /dev/null || status=1
   grep -E "^# \|relative|^\[|^[a-z_]+ =" "$out/h200-measured.toml" 2>/dev/null
 fi
-if [[ "${SKIP_CONFORMANCE:-0}" != 1 && -f experiments/configs/conformance.toml ]]; then
+if [[ "${SKIP_CONFORMANCE:-0}" != 1 && -f "$conf" ]]; then
   prof=(); [[ -f "$out/h200-measured.toml" ]] && prof=(--profile "$out/h200-measured.toml")
   # The step-time comparison on the virtual clock (time moves by the CUDA-event durations, as
   # in the calibration just before), then the same workload on the wall clock (the engine loop
   # with a device thread): its record replays exactly too, its timing carries the host's noise.
-  timeout 300 "$b/servelab-gpu" conformance experiments/configs/conformance.toml "${prof[@]}" \
+  timeout 300 "$b/servelab-gpu" conformance "$conf" "${prof[@]}" \
     --clock virtual --out "$out" --date "$date_utc" --commit "$commit" || status=1
   if [[ "${SKIP_WALL:-0}" != 1 ]]; then
     mkdir -p "$out/wall"
-    timeout 300 "$b/servelab-gpu" conformance experiments/configs/conformance.toml "${prof[@]}" \
+    timeout 300 "$b/servelab-gpu" conformance "$conf" "${prof[@]}" \
       --clock wall --out "$out/wall" --date "$date_utc" --commit "$commit" > /dev/null || status=1
     mv "$out/wall/conformance.md" "$out/conformance-wall.md" 2>/dev/null
     mv "$out/wall/conformance.json" "$out/conformance-wall.json" 2>/dev/null

@@ -387,20 +387,37 @@ struct ChunkShape {
 /// Columns: base, a, b, x (the coefficients of [`PrefillCostModel`] at the ramp `ramp_tokens`),
 /// summed over the step's chunks; the ramp follows the step's new tokens, as in
 /// [`PrefillCostModel::step_ns`].
-fn prefill_features(chunks: &[ChunkShape], ramp_tokens: f64) -> Vec<f64> {
+fn prefill_features(
+    chunks: &[ChunkShape],
+    ramp_tokens: f64,
+    experts: &Option<ActiveExpertTerm>,
+) -> Vec<f64> {
     let rows: f64 = chunks.iter().map(|c| c.new_tokens).sum();
     let ramp = if ramp_tokens > 0.0 {
         (rows / ramp_tokens).min(1.0)
     } else {
         1.0
     };
-    let mut f = vec![1.0, 0.0, 0.0, 0.0];
+    let mut f = vec![1.0, 0.0, 0.0, 0.0, 0.0];
+    let (mut replay, mut enc_layers, mut dec_layers) = (0.0, 0.0f64, 0.0f64);
     for c in chunks {
         let (n, pre, r) = (c.new_tokens, c.prefix_tokens, c.decoder_tokens);
         let (enc, dec) = (c.encoder_layers, c.decoder_layers);
         f[1] += enc * n + dec * r;
         f[2] += enc * ramp * n * (pre + n / 2.0) + dec * r * r / 2.0;
         f[3] += dec * r * (pre + n);
+        replay += r;
+        if n > 0.0 {
+            enc_layers = enc_layers.max(enc);
+        }
+        if r > 0.0 {
+            dec_layers = dec_layers.max(dec);
+        }
+    }
+    // The step's expert reads, as `PrefillCostModel::expert_reads_ns`.
+    if let Some(a) = experts {
+        f[4] = enc_layers * a.expected_active(rows as u32)
+            + dec_layers * a.expected_active(replay as u32);
     }
     f
 }
@@ -507,6 +524,14 @@ pub fn fit(
     swap_in_bytes_per_s: f64,
 ) -> Fit {
     let (enc, dec) = (encoder_layers as f64, decoder_layers as f64);
+    // The active-expert terms need the model's expert count (old sweeps did not save it).
+    let experts = (sweep.experts > 0 && sweep.top_k > 0 && sweep.top_k <= sweep.experts).then_some(
+        ActiveExpertTerm {
+            per_expert_ns: 0.0,
+            experts: sweep.experts as u32,
+            top_k: sweep.top_k as u32,
+        },
+    );
     let (pshapes, py) = prefill_steps(sweep, enc, dec);
     // The ramp candidates: none, and every swept chunk size (ascending, so ties keep the
     // smaller ramp).
@@ -518,7 +543,10 @@ pub fn fit(
     type Candidate = (f64, f64, Vec<Vec<f64>>, Vec<f64>);
     let mut best: Option<Candidate> = None;
     for ramp in ramps {
-        let px: Vec<Vec<f64>> = pshapes.iter().map(|c| prefill_features(c, ramp)).collect();
+        let px: Vec<Vec<f64>> = pshapes
+            .iter()
+            .map(|c| prefill_features(c, ramp, &experts))
+            .collect();
         let pc = fit_nonneg(&px, &py);
         let sse = weighted_sse(&px, &py, &pc);
         if best.as_ref().is_none_or(|b| sse < b.0) {
@@ -527,7 +555,7 @@ pub fn fit(
     }
     let (_, ramp, px, mut pc) = best.unwrap_or((0.0, 0.0, Vec::new(), Vec::new()));
     // An empty sweep fits nothing: zero coefficients (the profile then fails validation).
-    pc.resize(4, 0.0);
+    pc.resize(5, 0.0);
     let prefill = PrefillCostModel {
         base_ns: pc[0],
         per_layer_token_ns: pc[1].max(1e-6),
@@ -536,15 +564,11 @@ pub fn fit(
         reference_imbalance: 1.0,
         attention_ramp_tokens: ramp,
         per_layer_replay_ctx_ns: pc[3],
+        active_experts: experts.as_ref().map(|a| ActiveExpertTerm {
+            per_expert_ns: pc[4],
+            ..a.clone()
+        }),
     };
-    // The active-expert term needs the model's expert count (old sweeps did not save it).
-    let experts = (sweep.experts > 0 && sweep.top_k > 0 && sweep.top_k <= sweep.experts).then_some(
-        ActiveExpertTerm {
-            per_expert_ns: 0.0,
-            experts: sweep.experts as u32,
-            top_k: sweep.top_k as u32,
-        },
-    );
     let (dx, dy) = decode_steps(sweep, &experts);
     let mut dc = fit_nonneg(&dx, &dy);
     dc.resize(7, 0.0);
@@ -618,11 +642,15 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
     if !h.notes.is_empty() {
         s.push_str("#\n");
     }
-    s.push_str("# PREFILL  t = base + sum over chunks L_enc(a n + b ramp(N) n (p + n/2)) + L_dec(a r + b r^2/2 + x r (p + n)),\n");
+    s.push_str("# PREFILL  t = base + sum over chunks L_enc(a n + b ramp(N) n (p + n/2)) + L_dec(a r + b r^2/2 + x r (p + n))\n");
+    s.push_str("#              + c_exp (L_enc A(N) + L_dec A(R)),\n");
     s.push_str(&format!(
-        "#          N = the step's new tokens, ramp(N) = min(1, N / {:.0}) (1 if 0)\n",
+        "#          N = the step's new tokens, R its replayed tokens, ramp(N) = min(1, N / {:.0}) (1 if 0),\n",
         fit.prefill.attention_ramp_tokens
     ));
+    s.push_str(
+        "#          A(N) = E (1 - (1 - k/E)^N) the experts N tokens activate (c_exp per layer)\n",
+    );
     s.push_str("#   n      p      r    measured ms  fitted ms  error\n");
     for (pt, (y, f)) in sweep.prefill.iter().zip(&fit.prefill_residuals) {
         s.push_str(&format!(
@@ -694,6 +722,12 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
         "[prefill]\nbase_ns = {:.1}\nper_layer_token_ns = {:.6}\nper_layer_token_ctx_ns = {:.9}\nattention_ramp_tokens = {:.1}\nper_layer_replay_ctx_ns = {:.9}\nmoe_share = {}\nreference_imbalance = {}\n\n",
         p.base_ns, p.per_layer_token_ns, p.per_layer_token_ctx_ns, p.attention_ramp_tokens, p.per_layer_replay_ctx_ns, p.moe_share, p.reference_imbalance
     ));
+    if let Some(a) = &p.active_experts {
+        s.push_str(&format!(
+            "[prefill.active_experts]\nper_expert_ns = {:.1}\nexperts = {}\ntop_k = {}\n\n",
+            a.per_expert_ns, a.experts, a.top_k
+        ));
+    }
     let d = &fit.decode;
     s.push_str(&format!(
         "[decode]\nbase_ns = {:.1}\nper_seq_ns = {:.3}\nper_kv_token_ns = {:.6}\nper_max_kv_token_ns = {:.6}\nper_token_ns = {:.3}\nper_token_sq_ns = {:.6}\ndynamic_overhead_ns = {:.1}\nmoe_share = {}\nreference_imbalance = {}\n\n",
@@ -754,6 +788,7 @@ mod tests {
             reference_imbalance: 1.0,
             attention_ramp_tokens: 1024.0,
             per_layer_replay_ctx_ns: 0.25,
+            active_experts: None,
         };
         let mut prefill = Vec::new();
         for n in [128u32, 512, 1024, 2048, 4096] {
@@ -880,6 +915,11 @@ mod tests {
             reference_imbalance: 1.0,
             attention_ramp_tokens: 0.0,
             per_layer_replay_ctx_ns: 0.5,
+            active_experts: Some(ActiveExpertTerm {
+                per_expert_ns: 300_000.0,
+                experts: 8,
+                top_k: 2,
+            }),
         };
         let mut decode = Vec::new();
         for b in [1usize, 2, 4, 8, 16] {
@@ -907,6 +947,8 @@ mod tests {
             swap_in_bytes: 0,
         };
         let mut workload = Vec::new();
+        // Two-chunk steps, then chunks of a few tokens without replay, which touch only some
+        // experts: they set the expert term apart from the base.
         for (i, (n1, p1, n2, p2)) in [
             (300u32, 2000u32, 700u32, 0u32),
             (150, 4000, 200, 3000),
@@ -914,12 +956,15 @@ mod tests {
             (900, 1500, 400, 2500),
             (64, 8000, 1000, 0),
             (500, 500, 500, 500),
+            (2, 1000, 1, 3000),
+            (4, 500, 2, 100),
         ]
         .into_iter()
         .enumerate()
         {
+            let replay = if n1 > 8 { 140 } else { 0 };
             let chunks = vec![
-                chunk(2 * i as u64, n1, p1, 140),
+                chunk(2 * i as u64, n1, p1, replay),
                 chunk(2 * i as u64 + 1, n2, p2, 0),
             ];
             let t = ptruth.step_ns(&chunks, 1.0);
@@ -993,8 +1038,15 @@ mod tests {
             "{:?}",
             f.prefill
         );
+        let pa = f.prefill.active_experts.as_ref().unwrap();
+        assert!((pa.per_expert_ns / 300_000.0 - 1.0).abs() < 1e-3, "{pa:?}");
+        assert!(
+            (f.prefill.base_ns / 12e6 - 1.0).abs() < 1e-3,
+            "{:?}",
+            f.prefill
+        );
         assert_eq!(f.decode_residuals.len(), 30 + 3);
-        assert_eq!(f.prefill_residuals.len(), 6);
+        assert_eq!(f.prefill_residuals.len(), 8);
         for (y, p) in f.decode_residuals.iter().chain(&f.prefill_residuals) {
             assert!((p / y - 1.0).abs() < 1e-3, "{y} vs {p}");
         }

@@ -76,7 +76,12 @@ pub fn bench_backend(
     quick: bool,
     hbm_blocks: usize,
 ) -> Result<CudaBackend, BackendError> {
-    let model = if quick {
+    bench_backend_of(gpu, bench_model(quick), hbm_blocks)
+}
+
+/// The model [`bench_backend`] builds: the default shape, or a small one for `--quick`.
+pub fn bench_model(quick: bool) -> ModelShape {
+    if quick {
         ModelShape {
             encoder_layers: 4,
             decoder_layers: 4,
@@ -88,7 +93,15 @@ pub fn bench_backend(
         }
     } else {
         ModelShape::default()
-    };
+    }
+}
+
+/// A benchmark backend (small host tiers, `hbm_blocks` in HBM) for `model`.
+pub fn bench_backend_of(
+    gpu: Arc<GpuContext>,
+    model: ModelShape,
+    hbm_blocks: usize,
+) -> Result<CudaBackend, BackendError> {
     CudaBackend::new(
         gpu,
         BackendConfig {
@@ -144,8 +157,23 @@ pub fn calibrate(
         Some(p) => format!("pinned to CPU {}", p.cpu),
         None => "not pinned to a CPU".to_string(),
     });
+    // With a calibration workload the grid runs on the workload's model (its
+    // `[backend.model]`), so grid points and workload steps describe one model.
+    let workload = match &o.workload {
+        Some(path) => {
+            let origin = path.display().to_string();
+            let config_text = read(path)?;
+            let file = ConformanceFile::parse(&config_text, &origin)?;
+            Some((origin, config_text, file))
+        }
+        None => None,
+    };
+    let model = match &workload {
+        Some((_, _, file)) if !o.quick => file.backend.model.clone(),
+        _ => bench_model(o.quick),
+    };
     let t0 = Instant::now();
-    let mut b = bench_backend(gpu.clone(), o.quick, if o.quick { 512 } else { 8448 })?;
+    let mut b = bench_backend_of(gpu.clone(), model, if o.quick { 512 } else { 8448 })?;
     log(&format!(
         "backend ready in {:.1} s",
         t0.elapsed().as_secs_f64()
@@ -171,10 +199,7 @@ pub fn calibrate(
     }
     .unwrap_or(5.0e10);
     let m = b.config().model.clone();
-    if let Some(path) = &o.workload {
-        let origin = path.display().to_string();
-        let config_text = read(path)?;
-        let file = ConformanceFile::parse(&config_text, &origin)?;
+    if let Some((origin, config_text, file)) = workload {
         if file.backend.model != m {
             return Err(CommandError::Failed(format!(
                 "{origin}: [backend.model] differs from the calibrated model; the workload's \

@@ -130,7 +130,7 @@ impl ActiveExpertTerm {
         e * (1.0 - miss.powi(query_tokens as i32))
     }
 
-    fn validate(&self, field: &str) -> Result<(), ConfigError> {
+    pub(crate) fn validate(&self, field: &str) -> Result<(), ConfigError> {
         if !(self.per_expert_ns.is_finite() && self.per_expert_ns >= 0.0) {
             return Err(ConfigError::invalid(
                 format!("{field}.per_expert_ns"),

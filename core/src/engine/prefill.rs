@@ -5,6 +5,7 @@
 //! that fit both a token budget (32,768) and a time budget. The simpler alternative cuts
 //! fixed-size chunks by token count alone.
 
+use crate::engine::dspark::ActiveExpertTerm;
 use crate::engine::plan::{PrefillChunk, PrefillPlan};
 use crate::error::ConfigError;
 use crate::ids::{EngineId, RequestId};
@@ -40,6 +41,13 @@ pub struct PrefillCostModel {
     /// (prefix + new) it reads. 0: the replay attends only inside the replayed segment.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub per_layer_replay_ctx_ns: f64,
+    /// Cost per layer per distinct expert the step's tokens route to (absent: none): each
+    /// layer stack reads the weights of every expert its rows activate, once per step, however
+    /// many rows it has. Small steps of a model with large experts are bound by these reads
+    /// (on the H200 backend's wide conformance model a 128-token chunk pays more for them than
+    /// for its arithmetic). `per_expert_ns` is per layer here, unlike the decode model's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_experts: Option<ActiveExpertTerm>,
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -86,6 +94,37 @@ impl PrefillCostModel {
                 .iter()
                 .map(|c| self.chunk_in_step_ns(c, rows, imbalance))
                 .sum::<f64>()
+            + self.expert_reads_ns(chunks)
+    }
+
+    /// The step's expert weight reads ([`Self::active_experts`]): the encoder layers run once
+    /// over all new tokens of the step, the decoder layers once over all replayed tokens.
+    pub fn expert_reads_ns(&self, chunks: &[PrefillChunk]) -> f64 {
+        let Some(a) = &self.active_experts else {
+            return 0.0;
+        };
+        let (mut new, mut replay, mut enc, mut dec) = (0u32, 0u32, 0u32, 0u32);
+        for c in chunks {
+            new += c.new_tokens;
+            replay += c.decoder_tokens;
+            if c.new_tokens > 0 {
+                enc = enc.max(c.new_token_layers);
+            }
+            if c.decoder_tokens > 0 {
+                dec = dec.max(c.decoder_layers);
+            }
+        }
+        a.per_expert_ns
+            * (f64::from(enc) * a.expected_active(new) + f64::from(dec) * a.expected_active(replay))
+    }
+
+    /// An upper bound of [`Self::expert_reads_ns`] for a step whose stacks have `layers` layers
+    /// in all: every expert of every layer. The chunk scheduler budgets it up front, as the
+    /// base, since a step of more than a few tokens activates every expert anyway.
+    pub fn expert_reads_bound_ns(&self, layers: u32) -> f64 {
+        self.active_experts.as_ref().map_or(0.0, |a| {
+            a.per_expert_ns * f64::from(a.experts) * f64::from(layers)
+        })
     }
 
     pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
@@ -108,6 +147,9 @@ impl PrefillCostModel {
                 format!("{field}.per_layer_token_ns"),
                 "must be positive",
             ));
+        }
+        if let Some(a) = &self.active_experts {
+            a.validate(&format!("{field}.active_experts"))?;
         }
         super::validate_moe(field, self.moe_share, self.reference_imbalance)
     }
@@ -326,6 +368,11 @@ impl PrefillEngine {
                 let limit = time_budget.0 as f64;
                 let mut left = token_budget;
                 let mut used = self.model.base_ns;
+                if let Some(j) = self.queue.iter().find(|j| j.ready) {
+                    used += self
+                        .model
+                        .expert_reads_bound_ns(j.new_token_layers + j.decoder_layers);
+                }
                 for j in self.queue.iter().filter(|j| j.ready) {
                     if left == 0 {
                         break;
@@ -408,6 +455,7 @@ mod tests {
             reference_imbalance: 1.0,
             attention_ramp_tokens: 0.0,
             per_layer_replay_ctx_ns: 0.0,
+            active_experts: None,
         }
     }
     fn job(id: u64, prompt: u32, hit: u32) -> PrefillJob {
@@ -500,6 +548,88 @@ mod tests {
         };
         let e = bad.validate("prefill").unwrap_err().to_string();
         assert!(e.contains("prefill.attention_ramp_tokens"), "{e}");
+    }
+
+    #[test]
+    fn expert_reads_golden() {
+        let m = PrefillCostModel {
+            active_experts: Some(ActiveExpertTerm {
+                per_expert_ns: 100.0,
+                experts: 8,
+                top_k: 2,
+            }),
+            ..model()
+        };
+        let chunk = |new_tokens, decoder_tokens| PrefillChunk {
+            request: RequestId(0),
+            new_tokens,
+            prefix_tokens: 500,
+            new_token_layers: 2,
+            decoder_tokens,
+            decoder_layers: 3,
+            swap_in_bytes: 0,
+        };
+        // Two chunks of one new token each (2 tokens miss an expert with (6/8)^2, so 3.5 are
+        // active) through 2 encoder layers; one replays 2 tokens (3.5 experts) through 3
+        // decoder layers: 100 x (2 x 3.5 + 3 x 3.5) = 1,750, once for the step.
+        let (a, b) = (chunk(1, 0), chunk(1, 2));
+        assert_eq!(m.expert_reads_ns(&[a, b]), 1750.0);
+        assert_eq!(
+            m.step_ns(&[a, b], 1.0) - model().step_ns(&[a, b], 1.0),
+            1750.0
+        );
+        // No replay: the decoder layers read nothing.
+        assert_eq!(m.expert_reads_ns(&[a]), 100.0 * 2.0 * 2.0);
+        // Many tokens activate every expert: the bound.
+        let big = chunk(4096, 140);
+        assert!((m.expert_reads_ns(&[big]) - m.expert_reads_bound_ns(5)).abs() < 1e-6);
+        assert_eq!(m.expert_reads_bound_ns(5), 100.0 * 8.0 * 5.0);
+        assert_eq!(model().expert_reads_ns(&[big]), 0.0);
+        // Read from TOML, written back only when present; bad values name the field.
+        let text = "base_ns = 1000.0\nper_layer_token_ns = 1.0\nper_layer_token_ctx_ns = 0.5\n\
+                    moe_share = 0.0\nreference_imbalance = 1.0\n\
+                    [active_experts]\nper_expert_ns = 100.0\nexperts = 8\ntop_k = 2\n";
+        let parsed: PrefillCostModel = toml::from_str(text).unwrap();
+        assert_eq!(parsed.active_experts, m.active_experts);
+        assert!(
+            !toml::to_string(&model())
+                .unwrap()
+                .contains("active_experts")
+        );
+        let bad = PrefillCostModel {
+            active_experts: Some(ActiveExpertTerm {
+                per_expert_ns: 1.0,
+                experts: 2,
+                top_k: 3,
+            }),
+            ..model()
+        };
+        let e = bad.validate("prefill").unwrap_err().to_string();
+        assert!(e.contains("prefill.active_experts.top_k"), "{e}");
+    }
+
+    #[test]
+    fn time_budget_counts_the_expert_reads() {
+        // As `time_budget_cuts_the_chunk`, with the expert reads budgeted up front
+        // (1 ns x 8 experts x (1 + 1) layers = 16 ns): 500 - 16 = 484 tokens fit.
+        let m = PrefillCostModel {
+            active_experts: Some(ActiveExpertTerm {
+                per_expert_ns: 1.0,
+                experts: 8,
+                top_k: 2,
+            }),
+            ..model()
+        };
+        let pol = ChunkPolicy::TimeBudgeted {
+            token_budget: 32_768,
+            time_budget: Nanos(1500),
+            min_chunk_tokens: 1,
+        };
+        let mut e = PrefillEngine::new(EngineId(0), pol, m, 1.0, 8);
+        e.enqueue(job(1, 2000, 1000)).unwrap();
+        let mut p = empty();
+        assert!(e.plan_step(Nanos(5), &mut p));
+        assert_eq!(p.chunks[0].new_tokens, 484);
     }
 
     #[test]
