@@ -426,7 +426,7 @@ fn hw_conformance_replays_a_committed_record_and_takes_a_clock() {
 fn hw_conformance_wide_record_meets_the_targets_offline() {
     // No GPU needed: the committed run-17 record of the device-bound wide model, re-analysed
     // with the committed profile of that run, replays with every plan identical and meets both
-    // targets (the claim in hw/README "Runs 16–18").
+    // targets (the claim in hw/README "Runs 16–19").
     let d = scratch("conformance-wide");
     let record = concat!(
         env!("CARGO_MANIFEST_DIR"),
