@@ -520,10 +520,22 @@ impl KvStore {
     /// Lookups do not refresh recency: the request then touches what it uses.
     pub fn lookup_prefix(&mut self, now: Nanos, keys: &[BlockKey]) -> usize {
         self.advance(now);
-        let mut run = 0;
-        self.prefetch_run(keys);
-        for (i, k) in keys.iter().enumerate() {
-            if let Some(a) = keys.get(i + PREFETCH_AHEAD) {
+        // Most look-ups (a session's next turn, past its memo) stop at their first key: the
+        // run's slots are prefetched only once that one is found (the caller may have
+        // prefetched it, see [`Self::prefetch`]), not sixteen at a time for nothing.
+        let Some(first) = keys.first() else {
+            return 0;
+        };
+        self.stats.block_lookups += 1;
+        let slab = &self.slab;
+        if !self.map.find(first.0, |i| slab[i as usize].key.0).1 {
+            return 0;
+        }
+        let rest = &keys[1..];
+        let mut run = 1;
+        self.prefetch_run(rest);
+        for (i, k) in rest.iter().enumerate() {
+            if let Some(a) = rest.get(i + PREFETCH_AHEAD) {
                 self.map.prefetch(a.0);
             }
             self.stats.block_lookups += 1;
@@ -536,6 +548,13 @@ impl KvStore {
         }
         self.stats.block_lookup_hits += run as u64;
         run
+    }
+
+    /// Asks the CPU to start loading the table slot where `key` would be found (a hint: a
+    /// caller that will look it up soon overlaps the cache miss with other work).
+    #[inline]
+    pub fn prefetch(&self, key: BlockKey) {
+        self.map.prefetch(key.0);
     }
 
     pub fn contains(&mut self, now: Nanos, key: BlockKey) -> bool {
@@ -723,15 +742,18 @@ impl KvStore {
         let n = self.cfg.storage_nodes;
         let first = (key.0 % u64::from(n)) as u32;
         let share = bytes.div_ceil(u64::from(self.cfg.ec_data_shards));
-        // `first + i` wraps at most once (the group is no larger than the node count): a
-        // compare instead of a division per node keeps this off the insert path's profile.
-        let mut at = first;
-        for _ in 0..self.cfg.ec_data_shards + self.cfg.ec_parity_shards {
-            let node = &mut self.node_bytes[at as usize];
-            at += 1;
-            if at == n {
-                at = 0;
-            }
+        // The group is `first..first + group`, wrapping at most once (it is no larger than the
+        // node count): two runs of consecutive counters, which the compiler vectorises.
+        let (first, group) = (
+            first as usize,
+            (self.cfg.ec_data_shards + self.cfg.ec_parity_shards) as usize,
+        );
+        let (before, from) = self.node_bytes.split_at_mut(first);
+        let wrapped = (first + group).saturating_sub(n as usize);
+        for node in from[..group - wrapped]
+            .iter_mut()
+            .chain(&mut before[..wrapped])
+        {
             if add {
                 *node += share;
             } else {
@@ -929,17 +951,25 @@ impl KvStore {
         // implies agree (a wrong fingerprint changes the sum but for a 2^-64 chance). One
         // sequential pass over the map, reading nothing else: checking each entry's key in the
         // slab instead costs a cache and TLB miss per object on a GiB-sized slab.
+        // The slots the map names go in a second bitmap (in hash order, so one random access
+        // per entry: reading the listed bitmap there too doubled them); named twice is caught
+        // there, and named but not listed by comparing the bitmaps word by word after.
         let mut named = vec![0u64; listed.len()];
         let mut have_slots = 0u64;
         for &slot in self.map.slots.iter().filter(|&&s| s != 0) {
             let idx = KeyTable::idx(slot);
             let (w, bit) = (idx as usize / 64, 1u64 << (idx % 64));
-            let on_list = listed.get(w).is_some_and(|l| l & bit != 0);
-            if !on_list || named[w] & bit != 0 {
-                return Err("LRU entry missing from map".into());
+            let Some(word) = named.get_mut(w) else {
+                return Err("map entry past the slab".into());
+            };
+            if *word & bit != 0 {
+                return Err("two map entries name one object".into());
             }
-            named[w] |= bit;
+            *word |= bit;
             have_slots = have_slots.wrapping_add(mix64(slot));
+        }
+        if named != listed {
+            return Err("LRU entry missing from map".into());
         }
         if have_slots != want_slots {
             return Err("map entry does not match its object's key".into());
@@ -1226,6 +1256,28 @@ mod tests {
         n.sort();
         n.dedup();
         assert_eq!(n.len(), 12);
+    }
+
+    /// Each object charges its share to exactly the nodes of its placement, groups that wrap
+    /// past the last node included, and a removal takes it back.
+    #[test]
+    fn node_charges_follow_placement() {
+        let cfg = StoreConfig {
+            storage_nodes: 15,
+            ttl: ClassTtl::uniform(Some(Nanos(10))),
+            ..Default::default()
+        };
+        let mut s = KvStore::new(cfg, 100).unwrap();
+        let mut want = [0u64; 15];
+        for i in 0..40 {
+            s.touch_or_insert(Nanos(1), &keys(i..i + 1), TrafficClass::Agent);
+            for n in s.placement(k(i)).nodes {
+                want[n.0 as usize] += 10;
+            }
+            assert_eq!(s.node_bytes(), &want[..]);
+        }
+        s.advance(Nanos(11));
+        assert!(s.node_bytes().iter().all(|&b| b == 0));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! the machine that produced it, a lifetime of about 3 minutes, and an in-memory directory of
 //! which machine holds the state for which prefix.
 
-use crate::content::{BlockKey, KeyMap};
+use crate::content::{BlockKey, prefetch_read};
 use crate::error::ConfigError;
 use crate::ids::MachineId;
 use crate::time::Nanos;
@@ -41,6 +41,15 @@ impl SwaConfig {
                 "must be positive",
             ));
         }
+        if u64::from(self.machines) * u64::from(self.slots_per_machine) >= u64::from(u32::MAX) {
+            return Err(ConfigError::invalid(
+                "swa.slots_per_machine",
+                format!(
+                    "{} machines × {} slots is more than 2^32 - 2 slots",
+                    self.machines, self.slots_per_machine
+                ),
+            ));
+        }
         if self.lifetime == Nanos::ZERO {
             return Err(ConfigError::invalid("swa.lifetime", "must be positive"));
         }
@@ -64,9 +73,10 @@ struct Slot {
     stored_at: Nanos,
 }
 
+/// One machine's share of the slots. Slot numbers are global (machine × slots per machine +
+/// slot), the index the directory stores.
 #[derive(Clone, Debug)]
 struct Machine {
-    slots: Vec<Option<Slot>>,
     free: Vec<u32>,
     /// Slots in storing order (= expiry order, since the lifetime is constant); stale entries
     /// (slot reused or refreshed since) are skipped by comparing `stored_at`.
@@ -74,11 +84,130 @@ struct Machine {
     used: u32,
 }
 
+/// One directory entry: a prefix key and the global slot holding its state, plus one (0 =
+/// empty).
+#[derive(Clone, Copy, Debug, Default)]
+struct DirSlot {
+    key: u64,
+    at: u32,
+}
+
+/// Prefix key → global slot: open addressing with linear probing and backward-shift deletion,
+/// the full key in each 16-byte entry. With over a million states a probe is a cache miss; a
+/// general hash map read a control group and then a bucket, and a table of fingerprints must
+/// confirm a match in the slot array (a second miss): this one answers from one line. Keys are
+/// uniform hashes already: one multiply spreads them.
+#[derive(Clone, Debug)]
+struct SwaDir {
+    slots: Vec<DirSlot>,
+    shift: u32,
+    len: usize,
+}
+
+impl SwaDir {
+    const MIN_BITS: u32 = 4;
+
+    fn new() -> Self {
+        SwaDir {
+            slots: vec![DirSlot::default(); 1 << Self::MIN_BITS],
+            shift: 64 - Self::MIN_BITS,
+            len: 0,
+        }
+    }
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+    /// The entry holding `key`, or the empty one where it would go.
+    #[inline]
+    fn find(&self, key: u64) -> (usize, bool) {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let s = self.slots[i];
+            if s.at == 0 {
+                return (i, false);
+            }
+            if s.key == key {
+                return (i, true);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+    /// Asks the CPU to start loading the line where `key`'s probe starts.
+    #[inline]
+    fn prefetch(&self, key: u64) {
+        prefetch_read(&raw const self.slots[self.home(key)]);
+    }
+    fn get(&self, key: BlockKey) -> Option<u32> {
+        match self.find(key.0) {
+            (i, true) => Some(self.slots[i].at - 1),
+            _ => None,
+        }
+    }
+    /// Names global slot `slot` for `key`, which is not in the directory.
+    fn insert(&mut self, key: BlockKey, slot: u32) {
+        // At most 3/4 full keeps probes short.
+        if (self.len + 1) * 4 > self.slots.len() * 3 {
+            self.grow();
+        }
+        let (i, found) = self.find(key.0);
+        debug_assert!(!found, "key already in the directory");
+        self.slots[i] = DirSlot {
+            key: key.0,
+            at: slot + 1,
+        };
+        self.len += 1;
+    }
+    #[cold]
+    fn grow(&mut self) {
+        let bits = 64 - self.shift + 1;
+        let old = std::mem::replace(&mut self.slots, vec![DirSlot::default(); 1 << bits]);
+        self.shift = 64 - bits;
+        let mask = self.slots.len() - 1;
+        for s in old.into_iter().filter(|s| s.at != 0) {
+            let mut i = self.home(s.key);
+            while self.slots[i].at != 0 {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = s;
+        }
+    }
+    fn remove(&mut self, key: BlockKey) -> Option<u32> {
+        let (mut hole, found) = self.find(key.0);
+        if !found {
+            return None;
+        }
+        let at = self.slots[hole].at - 1;
+        let mask = self.slots.len() - 1;
+        let mut j = hole;
+        // Backward shift: move later entries of the cluster into the hole when their probe
+        // start is not between the hole and where they sit.
+        loop {
+            j = (j + 1) & mask;
+            let s = self.slots[j];
+            if s.at == 0 {
+                break;
+            }
+            let home = self.home(s.key);
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = s;
+                hole = j;
+            }
+        }
+        self.slots[hole] = DirSlot::default();
+        self.len -= 1;
+        Some(at)
+    }
+}
+
 /// Directory plus per-machine slots. Deterministic; sans-IO.
 #[derive(Clone, Debug)]
 pub struct SwaCache {
     cfg: SwaConfig,
-    dir: KeyMap<(MachineId, u32)>,
+    dir: SwaDir,
+    /// Every machine's slots, machine after machine.
+    slots: Vec<Option<Slot>>,
     machines: Vec<Machine>,
     now: Nanos,
     /// No state expires before this: the earliest expiry of the machines' oldest entries when
@@ -91,17 +220,18 @@ pub struct SwaCache {
 impl SwaCache {
     pub fn new(cfg: SwaConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
+        let per = cfg.slots_per_machine;
         let machines = (0..cfg.machines)
-            .map(|_| Machine {
-                slots: vec![None; cfg.slots_per_machine as usize],
-                free: (0..cfg.slots_per_machine).rev().collect(),
+            .map(|m| Machine {
+                free: (m * per..(m + 1) * per).rev().collect(),
                 order: VecDeque::new(),
                 used: 0,
             })
             .collect();
         Ok(SwaCache {
+            slots: vec![None; cfg.machines as usize * per as usize],
             cfg,
-            dir: KeyMap::default(),
+            dir: SwaDir::new(),
             machines,
             now: Nanos::ZERO,
             next_expiry: Nanos::MAX,
@@ -117,6 +247,13 @@ impl SwaCache {
     }
     pub fn used_slots(&self, m: MachineId) -> u32 {
         self.machines[m.0 as usize].used
+    }
+
+    /// Asks the CPU to start loading the directory entry of prefix `key` (a hint: a caller that
+    /// will look it up or store it soon overlaps the cache miss with other work).
+    #[inline]
+    pub fn prefetch(&self, key: BlockKey) {
+        self.dir.prefetch(key.0);
     }
 
     /// Drops every state older than its lifetime.
@@ -136,7 +273,8 @@ impl SwaCache {
                     break;
                 }
                 self.machines[mi].order.pop_front();
-                if self.slot_is(mi, slot, at) {
+                self.prefetch_oldest(mi);
+                if self.slot_is(slot, at) {
                     self.stats.expirations += 1;
                     self.free_slot(mi, slot);
                 }
@@ -145,17 +283,41 @@ impl SwaCache {
         self.next_expiry = next;
     }
 
-    fn slot_is(&self, mi: usize, slot: u32, at: Nanos) -> bool {
-        matches!(self.machines[mi].slots[slot as usize], Some(s) if s.stored_at == at)
+    /// Starts loading what dropping machine `mi`'s oldest states (expired or evicted) will
+    /// read, one state ahead: the directory entry of the oldest, whose slot the previous call
+    /// started loading, and the slot of the one after it.
+    #[inline]
+    fn prefetch_oldest(&self, mi: usize) {
+        let order = &self.machines[mi].order;
+        if let Some(&(slot, at)) = order.front()
+            && let Some(s) = self.slots[slot as usize]
+            && s.stored_at == at
+        {
+            self.dir.prefetch(s.key.0);
+        }
+        if let Some(&(next, _)) = order.get(1) {
+            prefetch_read(&raw const self.slots[next as usize]);
+        }
     }
 
+    fn slot_is(&self, slot: u32, at: Nanos) -> bool {
+        matches!(self.slots[slot as usize], Some(s) if s.stored_at == at)
+    }
+
+    /// Frees global slot `slot` of machine `mi`.
     fn free_slot(&mut self, mi: usize, slot: u32) {
-        let m = &mut self.machines[mi];
-        if let Some(s) = m.slots[slot as usize].take() {
-            self.dir.remove(&s.key);
+        if let Some(s) = self.slots[slot as usize] {
+            self.dir.remove(s.key);
+            self.slots[slot as usize] = None;
+            let m = &mut self.machines[mi];
             m.free.push(slot);
             m.used -= 1;
         }
+    }
+
+    /// The machine of global slot `slot`.
+    fn machine_of(&self, slot: u32) -> usize {
+        (slot / self.cfg.slots_per_machine) as usize
     }
 
     /// Stores the state for prefix `key` on `machine` (after prefill, or at the end of decode).
@@ -163,14 +325,14 @@ impl SwaCache {
     pub fn store(&mut self, now: Nanos, machine: MachineId, key: BlockKey) {
         self.advance(now);
         let mi = machine.0 as usize % self.machines.len();
-        if let Some(&(old_m, old_slot)) = self.dir.get(&key) {
+        if let Some(old) = self.dir.get(key) {
             self.stats.refreshes += 1;
-            self.free_slot(old_m.0 as usize, old_slot);
+            self.free_slot(self.machine_of(old), old);
         }
         if self.machines[mi].free.is_empty() {
             // Full: drop the oldest state on this machine.
             while let Some((slot, at)) = self.machines[mi].order.pop_front() {
-                if self.slot_is(mi, slot, at) {
+                if self.slot_is(slot, at) {
                     self.stats.evictions += 1;
                     self.free_slot(mi, slot);
                     break;
@@ -179,24 +341,29 @@ impl SwaCache {
         }
         let m = &mut self.machines[mi];
         let slot = m.free.pop().expect("a slot was freed above");
-        m.slots[slot as usize] = Some(Slot {
+        m.order.push_back((slot, self.now));
+        m.used += 1;
+        self.slots[slot as usize] = Some(Slot {
             key,
             stored_at: self.now,
         });
-        m.order.push_back((slot, self.now));
-        m.used += 1;
         self.next_expiry = self
             .next_expiry
             .min(self.now.saturating_add(self.cfg.lifetime));
-        self.dir.insert(key, (MachineId(mi as u32), slot));
+        self.dir.insert(key, slot);
         self.stats.stores += 1;
+        // The state this machine drops next when full: loaded by its next store.
+        self.prefetch_oldest(mi);
     }
 
     /// Which machine holds live state for prefix `key`, if any.
     pub fn lookup(&mut self, now: Nanos, key: BlockKey) -> Option<MachineId> {
         self.advance(now);
         self.stats.lookups += 1;
-        let found = self.dir.get(&key).map(|&(m, _)| m);
+        let found = self
+            .dir
+            .get(key)
+            .map(|g| MachineId(self.machine_of(g) as u32));
         if found.is_some() {
             self.stats.hits += 1;
         }
@@ -207,14 +374,20 @@ impl SwaCache {
     /// names exactly the used slots.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut dir_entries = 0usize;
+        let per = self.cfg.slots_per_machine as usize;
         for (mi, m) in self.machines.iter().enumerate() {
-            let used = m.slots.iter().filter(|s| s.is_some()).count();
-            if used as u32 != m.used || used + m.free.len() != self.cfg.slots_per_machine as usize {
+            let mine = &self.slots[mi * per..(mi + 1) * per];
+            let used = mine.iter().filter(|s| s.is_some()).count();
+            if used as u32 != m.used || used + m.free.len() != per {
                 return Err(format!("machine {mi}: slots not conserved"));
             }
-            for (i, s) in m.slots.iter().enumerate() {
+            if m.free.iter().any(|&f| f as usize / per != mi) {
+                return Err(format!("machine {mi}: another machine's slot is free here"));
+            }
+            for (i, s) in mine.iter().enumerate() {
                 if let Some(s) = s {
-                    if self.dir.get(&s.key) != Some(&(MachineId(mi as u32), i as u32)) {
+                    let g = (mi * per + i) as u32;
+                    if self.dir.get(s.key) != Some(g) {
                         return Err(format!("machine {mi} slot {i} missing from directory"));
                     }
                     if s.stored_at.saturating_add(self.cfg.lifetime) <= self.now {
@@ -224,7 +397,7 @@ impl SwaCache {
                 }
             }
         }
-        if dir_entries != self.dir.len() {
+        if dir_entries != self.dir.len {
             return Err("directory names slots that do not exist".into());
         }
         Ok(())
@@ -280,5 +453,54 @@ mod tests {
                 c.check_invariants().map_err(TestCaseError::fail)?;
             }
         }
+    }
+
+    proptest! {
+        /// Lookups agree with a plain model: per machine a list of (key, stored at) in storing
+        /// order, the oldest dropped when full, a refresh moving the key, states gone at their
+        /// lifetime. Keys that share probe starts and fingerprint bits exercise the directory's
+        /// collisions, growth and deletions.
+        #[test]
+        fn lookups_match_a_model(ops in proptest::collection::vec((0u32..3, 0u64..40, 0u64..30, any::<bool>()), 1..400)) {
+            let mut c = SwaCache::new(SwaConfig { machines: 3, slots_per_machine: 5, lifetime: Nanos(100) }).unwrap();
+            let mut model: Vec<Vec<(BlockKey, u64)>> = vec![Vec::new(); 3];
+            let key = |k: u64| BlockKey(if k.is_multiple_of(2) { k << 40 } else { k });
+            let mut now = 0;
+            for (m, k, dt, is_store) in ops {
+                now += dt;
+                for list in &mut model {
+                    list.retain(|&(_, at)| at + 100 > now);
+                }
+                if is_store {
+                    c.store(Nanos(now), MachineId(m), key(k));
+                    for list in &mut model {
+                        list.retain(|&(x, _)| x != key(k));
+                    }
+                    let list = &mut model[m as usize];
+                    if list.len() == 5 {
+                        list.remove(0);
+                    }
+                    list.push((key(k), now));
+                } else {
+                    let want = model.iter().position(|l| l.iter().any(|&(x, _)| x == key(k)));
+                    prop_assert_eq!(c.lookup(Nanos(now), key(k)), want.map(|m| MachineId(m as u32)));
+                }
+                for (mi, list) in model.iter().enumerate() {
+                    prop_assert_eq!(c.used_slots(MachineId(mi as u32)) as usize, list.len());
+                }
+                c.check_invariants().map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+
+    #[test]
+    fn too_many_slots_is_a_config_error() {
+        let e = SwaCache::new(SwaConfig {
+            machines: 1 << 16,
+            slots_per_machine: 1 << 16,
+            lifetime: Nanos(1),
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("swa.slots_per_machine"), "{e}");
     }
 }

@@ -545,10 +545,62 @@ enum Ev {
 
 #[derive(Clone, Copy, Debug)]
 struct Memo {
-    chain: usize,
+    /// The chain the memo is about ([`ReqIx::chain`]); [`Memo::NONE`]'s matches none.
+    chain: u32,
     blocks: u32,
     generation: u64,
     touched_at: Nanos,
+}
+
+impl Memo {
+    /// A session not seen yet: no chain matches it.
+    const NONE: Memo = Memo {
+        chain: u32::MAX,
+        blocks: 0,
+        generation: 0,
+        touched_at: Nanos::ZERO,
+    };
+}
+
+/// A request's session and content chain as dense numbers (in order of first appearance),
+/// one array read in arrival order.
+#[derive(Clone, Copy, Debug)]
+struct ReqIx {
+    /// Index into the memos, or [`NO_SESSION`].
+    session: u32,
+    /// Index into the chains' keys.
+    chain: u32,
+}
+
+/// No session (a request outside any session).
+const NO_SESSION: u32 = u32::MAX;
+
+/// The key of the prefix `[0, pos)` of a request whose chain's full-block keys are `keys`
+/// ([`Request::key_at`]): a block boundary from the keys, a segment end from the chain's marks.
+#[inline]
+fn key_at(keys: &[BlockKey], r: &Request, block_tokens: u32, pos: u32) -> Option<BlockKey> {
+    if pos == 0 {
+        None
+    } else if pos.is_multiple_of(block_tokens) {
+        keys.get((pos / block_tokens) as usize - 1).copied()
+    } else {
+        r.key_at(pos)
+    }
+}
+
+/// Asks the CPU to start loading the last four cache lines of `keys`
+/// ([`servelab_core::ContentChain::prefetch_blocks`]).
+#[inline]
+fn prefetch_tail(keys: &[BlockKey]) {
+    const KEYS_PER_LINE: usize = 64 / std::mem::size_of::<BlockKey>();
+    let end = keys.len();
+    let start = end.saturating_sub(4 * KEYS_PER_LINE);
+    for i in (start..end).step_by(KEYS_PER_LINE) {
+        prefetch_read(&raw const keys[i]);
+    }
+    if start < end {
+        prefetch_read(&raw const keys[end - 1]);
+    }
 }
 
 #[derive(Default, Clone, Copy)]
@@ -655,8 +707,15 @@ struct Sim<'a> {
     store: KvStore,
     swa: SwaCache,
     perfect: PerfectCache,
-    /// Session ids and request indices are distinct integers: the one-multiply hasher does.
-    memo: HashMap<SessionId, Memo, KeyBuildHasher>,
+    /// Per session, by dense session number: a direct index rather than a hash map keyed by
+    /// session id (two cache misses per look-up in a map of tens of thousands of sessions).
+    memo: Vec<Memo>,
+    /// Per request.
+    ix: Vec<ReqIx>,
+    /// Every full-block key of each chain (by [`ReqIx::chain`]). Read through these slices,
+    /// a chain's keys are one load away: through the request's `Arc`, its header (scattered
+    /// over hundreds of MB of trace) comes first, a cache and TLB miss at every event.
+    chain_keys: Vec<&'a [BlockKey]>,
     backend: CostModel,
     prefill: Vec<PrefillEngine>,
     prefill_plans: Vec<StepPlan>,
@@ -806,10 +865,47 @@ impl<'a> Sim<'a> {
         seed: u64,
     ) -> Result<Self, ConfigError> {
         let c = &cfg.constants;
+        // Session ids are arbitrary integers (imported traces) and chains are shared by
+        // address: both numbered densely, in order of first appearance, once.
+        let mut sessions: HashMap<SessionId, u32, KeyBuildHasher> = HashMap::default();
+        let mut chains: HashMap<usize, u32, KeyBuildHasher> = HashMap::default();
+        let mut chain_keys: Vec<&'a [BlockKey]> = Vec::new();
+        // The longest context each chain is read to.
+        let mut chain_upto: Vec<u32> = Vec::new();
+        let ix: Vec<ReqIx> = reqs
+            .iter()
+            .map(|r| {
+                let session = match r.session {
+                    Some(s) => {
+                        let next = sessions.len() as u32;
+                        *sessions.entry(s).or_insert(next)
+                    }
+                    None => NO_SESSION,
+                };
+                let next = chains.len() as u32;
+                let chain = *chains
+                    .entry(std::sync::Arc::as_ptr(&r.content) as usize)
+                    .or_insert(next);
+                if chain == next {
+                    chain_keys.push(r.content.full_blocks(u32::MAX));
+                    chain_upto.push(0);
+                }
+                let upto = &mut chain_upto[chain as usize];
+                *upto = (*upto).max(r.context_tokens());
+                ReqIx { session, chain }
+            })
+            .collect();
+        let sessions = sessions.len();
+        drop(chains);
         let mut store = KvStore::new(cfg.store.clone(), c.block_bytes())?;
         // Sized once for the whole run: growing the table of tens of millions of blocks step by
         // step rebuilt it many times (and took most of the run's page faults).
-        store.reserve(Self::blocks_written_bound(cfg, reqs));
+        store.reserve(Self::blocks_written_bound(
+            cfg,
+            reqs.len(),
+            &chain_keys,
+            &chain_upto,
+        ));
         let swa = SwaCache::new(cfg.swa.clone())?;
         let lb = PrefillBalancer::new(
             cfg.prefill.lb.clone(),
@@ -880,7 +976,9 @@ impl<'a> Sim<'a> {
             store,
             swa,
             perfect: PerfectCache::new(),
-            memo: HashMap::default(),
+            memo: vec![Memo::NONE; sessions],
+            ix,
+            chain_keys,
             backend,
             prefill,
             prefill_plans: (0..cfg.prefill.gpus)
@@ -952,25 +1050,36 @@ impl<'a> Sim<'a> {
     /// chain up to its longest context (a prefix shared by several chains counts once per
     /// chain), plus two SWA objects per request (after prefill and after decode) when SWA
     /// state lives in the store.
-    fn blocks_written_bound(cfg: &ServiceConfig, reqs: &[Request]) -> usize {
-        let mut upto: HashMap<usize, u32, KeyBuildHasher> = HashMap::default();
-        for r in reqs {
-            let t = upto
-                .entry(std::sync::Arc::as_ptr(&r.content) as usize)
-                .or_insert(0);
-            *t = (*t).max(r.context_tokens());
-        }
-        let mut blocks: usize = reqs
+    fn blocks_written_bound(
+        cfg: &ServiceConfig,
+        requests: usize,
+        chain_keys: &[&[BlockKey]],
+        chain_upto: &[u32],
+    ) -> usize {
+        let bs = cfg.constants.block_tokens;
+        let mut blocks: usize = chain_keys
             .iter()
-            .filter_map(|r| {
-                let t = upto.remove(&(std::sync::Arc::as_ptr(&r.content) as usize))?;
-                Some(r.content.full_blocks(t).len())
-            })
+            .zip(chain_upto)
+            .map(|(keys, &t)| ((t / bs) as usize).min(keys.len()))
             .sum();
         if cfg.hit_policy.swa_source() == SwaSource::BlockStore {
-            blocks += 2 * reqs.len();
+            blocks += 2 * requests;
         }
         blocks
+    }
+
+    /// Every full-block key of request `i`'s chain.
+    #[inline]
+    fn keys(&self, i: usize) -> &'a [BlockKey] {
+        self.chain_keys[self.ix[i].chain as usize]
+    }
+
+    /// Keys of the full blocks inside the first `tokens` tokens of request `i`'s chain
+    /// ([`servelab_core::ContentChain::full_blocks`]).
+    #[inline]
+    fn blocks_within(&self, i: usize, tokens: u32) -> &'a [BlockKey] {
+        let keys = self.keys(i);
+        &keys[..((tokens / self.cfg.constants.block_tokens) as usize).min(keys.len())]
     }
 
     fn in_steady(&self, t: Nanos) -> bool {
@@ -1023,12 +1132,12 @@ impl<'a> Sim<'a> {
     }
 
     /// Entrypoint prefix match: leading full blocks of the prompt present in the store.
-    fn cached_blocks(&mut self, now: Nanos, r: &Request) -> u32 {
-        let blocks = r.prompt_blocks();
-        let chain = std::sync::Arc::as_ptr(&r.content) as usize;
+    fn cached_blocks(&mut self, now: Nanos, i: usize) -> u32 {
+        let blocks = self.blocks_within(i, self.reqs[i].prompt_tokens);
+        let ReqIx { session: s, chain } = self.ix[i];
         self.store.advance(now);
         let generation = self.generation();
-        let start = match r.session.and_then(|s| self.memo.get(&s)) {
+        let start = match self.memo.get(s as usize) {
             Some(m) if m.chain == chain && m.generation == generation => {
                 self.memo_lookups += 1;
                 (m.blocks as usize).min(blocks.len())
@@ -1039,13 +1148,7 @@ impl<'a> Sim<'a> {
             }
         };
         let b = start + self.store.lookup_prefix(now, &blocks[start..]);
-        if let Some(s) = r.session {
-            let m = self.memo.entry(s).or_insert(Memo {
-                chain,
-                blocks: 0,
-                generation,
-                touched_at: Nanos::ZERO,
-            });
+        if let Some(m) = self.memo.get_mut(s as usize) {
             if m.chain != chain {
                 m.touched_at = Nanos::ZERO;
             }
@@ -1056,15 +1159,26 @@ impl<'a> Sim<'a> {
         b as u32
     }
 
+    /// Where request `i`'s prefix look-up will start, by its session's memo now (a hint for
+    /// prefetching: the store may change before it arrives).
+    fn lookup_start_hint(&self, i: usize) -> usize {
+        let ReqIx { session, chain } = self.ix[i];
+        match self.memo.get(session as usize) {
+            Some(m) if m.chain == chain => m.blocks as usize,
+            _ => 0,
+        }
+    }
+
     /// Writes (or touches) the blocks `[0, upto)` of `r`'s chain; with a valid memo only the
     /// new ones, re-touching the reused run at most once per `touch_coalesce`.
-    fn write_blocks(&mut self, now: Nanos, r: &Request, upto_tokens: u32) {
-        let all = r.content.full_blocks(upto_tokens);
-        let chain = std::sync::Arc::as_ptr(&r.content) as usize;
+    fn write_blocks(&mut self, now: Nanos, i: usize, upto_tokens: u32) {
+        let all = self.blocks_within(i, upto_tokens);
+        let ReqIx { session, chain } = self.ix[i];
+        let s = session as usize;
         self.store.advance(now);
         let before = self.generation();
         let coalesce = self.cfg.touch_coalesce;
-        let memo = r.session.and_then(|s| self.memo.get(&s).copied());
+        let memo = self.memo.get(s).copied();
         let start = match memo {
             Some(m)
                 if m.chain == chain
@@ -1075,15 +1189,11 @@ impl<'a> Sim<'a> {
             }
             _ => 0,
         };
-        self.store.touch_or_insert(now, &all[start..], r.class);
+        self.store
+            .touch_or_insert(now, &all[start..], self.reqs[i].class);
         let after = self.generation();
-        if let Some(s) = r.session {
-            let m = self.memo.entry(s).or_insert(Memo {
-                chain,
-                blocks: 0,
-                generation: after,
-                touched_at: now,
-            });
+        if let Some(m) = self.memo.get_mut(s) {
+            // (A session's first write finds no memo of its chain: start is 0.)
             if start == 0 {
                 m.touched_at = now;
             }
@@ -1105,31 +1215,71 @@ impl<'a> Sim<'a> {
         self.sample_row(i);
     }
 
-    /// Before writing several requests' blocks: starts loading their chain headers, then the
-    /// keys below `upto` tokens, so the cache misses of the whole batch overlap.
-    fn prefetch_chains(
-        &self,
-        reqs: impl Iterator<Item = usize> + Clone,
-        upto: impl Fn(&Request) -> u32,
-    ) {
-        for i in reqs.clone() {
-            prefetch_read(std::sync::Arc::as_ptr(&self.reqs[i].content));
-        }
+    /// Before writing several requests' blocks: starts loading the keys below `upto` tokens,
+    /// so the cache misses of the whole batch overlap.
+    fn prefetch_chains(&self, reqs: impl Iterator<Item = usize>, upto: impl Fn(&Request) -> u32) {
         for i in reqs {
-            let r = &self.reqs[i];
-            r.content.prefetch_blocks(0..upto(r));
+            prefetch_tail(self.blocks_within(i, upto(&self.reqs[i])));
+        }
+    }
+
+    /// Before request `i`'s blocks below `upto` tokens are written (one request of a batch
+    /// ahead: its keys, from [`Self::prefetch_chains`], have arrived by then), starts loading
+    /// what the write will probe: the store slot of the first block past the session's memo
+    /// and the SWA directory entry of the state stored at the last full block.
+    fn prefetch_write(&self, i: usize, upto: u32) {
+        let blocks = self.blocks_within(i, upto);
+        if let Some(&k) = blocks.get(self.lookup_start_hint(i)) {
+            self.store.prefetch(k);
+        }
+        if self.cfg.hit_policy.swa_source() == SwaSource::HostCache
+            && let Some(&k) = blocks.last()
+        {
+            self.swa.prefetch(k);
+        }
+    }
+
+    /// One arrival ahead of request `i`: starts loading what its arrival will probe, by its
+    /// session's memo now (the store may change before it arrives, so these are hints): the
+    /// table slot of its look-up's first key and, under the SWA host cache, the directory entry
+    /// the hit rule asks for and the keys of the fetch's stripes (`fetch`: the hit ends at the
+    /// cached prefix capped at L − margin, and so does the reused run in both of the rule's
+    /// cases).
+    fn prefetch_arrival(&self, i: usize) {
+        let r = &self.reqs[i];
+        let blocks = self.blocks_within(i, r.prompt_tokens);
+        let start = self.lookup_start_hint(i);
+        if let Some(&k) = blocks.get(start) {
+            self.store.prefetch(k);
+        }
+        if self.cfg.hit_policy.swa_source() != SwaSource::HostCache {
+            return;
+        }
+        let c = &self.cfg.constants;
+        let cap = (r.prompt_tokens.saturating_sub(c.hit_margin_tokens()) / c.block_tokens) as usize;
+        let hit = start.min(blocks.len()).min(cap);
+        if hit == 0 {
+            return;
+        }
+        self.swa.prefetch(blocks[hit - 1]);
+        let stripes = (self.cfg.fetch.stripes as usize).min(hit);
+        for s in 0..stripes {
+            prefetch_read(&raw const blocks[s * hit / stripes]);
         }
     }
 
     fn arrive(&mut self, now: Nanos, i: usize) {
-        // The trace's chains were built long ago and are cold: start loading the next
-        // arrivals' chain headers, and the keys the next one will look up (its prompt's last
-        // blocks), two and one arrival ahead.
+        // The trace's chains were built long ago and are cold, and so is the store's table:
+        // a pipeline over the next arrivals starts loading, two ahead, the keys it will look up
+        // (its prompt's last blocks) and its session's memo; one ahead, what it will probe.
         if let Some(r) = self.reqs.get(i + 2) {
-            prefetch_read(std::sync::Arc::as_ptr(&r.content));
+            prefetch_tail(self.blocks_within(i + 2, r.prompt_tokens));
+            if let Some(m) = self.memo.get(self.ix[i + 2].session as usize) {
+                prefetch_read(m);
+            }
         }
-        if let Some(r) = self.reqs.get(i + 1) {
-            r.content.prefetch_blocks(0..r.prompt_tokens);
+        if i + 1 < self.reqs.len() {
+            self.prefetch_arrival(i + 1);
         }
         let r = &self.reqs[i];
         let c = &self.cfg.constants;
@@ -1148,7 +1298,7 @@ impl<'a> Sim<'a> {
         let cached = if policy.uses_perfect_cache() {
             0
         } else {
-            self.cached_blocks(now, r) * c.block_tokens
+            self.cached_blocks(now, i) * c.block_tokens
         };
         let inputs = HitInputs {
             prompt_tokens: r.prompt_tokens,
@@ -1160,10 +1310,13 @@ impl<'a> Sim<'a> {
             },
         };
         let mut swa_machine = None;
+        let keys = self.keys(i);
         let decision = {
             let (store, swa) = (&mut self.store, &mut self.swa);
             policy.decide(c, inputs, |p| {
-                let Some(key) = r.key_at(p) else { return false };
+                let Some(key) = key_at(keys, r, c.block_tokens, p) else {
+                    return false;
+                };
                 match policy.swa_source() {
                     SwaSource::HostCache => {
                         swa_machine = swa.lookup(now, key);
@@ -1254,7 +1407,6 @@ impl<'a> Sim<'a> {
 
     /// The request's job joins engine `e`; its KV fetch and SWA pull start now.
     fn assign(&mut self, now: Nanos, i: usize, e: usize) {
-        let r = &self.reqs[i];
         let c = &self.cfg.constants;
         let st = self.state[i];
         let job = self
@@ -1270,7 +1422,7 @@ impl<'a> Sim<'a> {
         }
         let mut ready = now;
         if reused > 0 {
-            ready = ready.max(self.fetch(now, r, reused));
+            ready = ready.max(self.fetch(now, i, reused));
         }
         let machine = e as u32 / self.cfg.prefill.gpus_per_machine;
         if let Some(m) = st.swa_machine
@@ -1291,12 +1443,11 @@ impl<'a> Sim<'a> {
 
     /// Reads `tokens` of `r`'s prefix from the store: `stripes` erasure-coded reads, each sent
     /// to data + 1 nodes of its group and done at the data-th answer. Returns when all are done.
-    fn fetch(&mut self, now: Nanos, r: &Request, tokens: u32) -> Nanos {
+    fn fetch(&mut self, now: Nanos, i: usize, tokens: u32) -> Nanos {
         let c = &self.cfg.constants;
         let f = &self.cfg.fetch;
-        let keys = r
-            .content
-            .full_blocks(tokens.div_ceil(c.block_tokens) * c.block_tokens);
+        let r = &self.reqs[i];
+        let keys = self.blocks_within(i, tokens.div_ceil(c.block_tokens) * c.block_tokens);
         let bytes = u64::from(tokens) * u64::from(c.kv_bytes_per_token);
         let stripes = (f.stripes as usize).min(keys.len()).max(1);
         let data = self.cfg.store.ec_data_shards as usize;
@@ -1396,16 +1547,20 @@ impl<'a> Sim<'a> {
         self.prefetch_chains(done.iter().map(|j| j.request.0 as usize), |r| {
             r.prompt_tokens
         });
-        for job in &done {
+        for (n, job) in done.iter().enumerate() {
+            if let Some(next) = done.get(n + 1) {
+                let j = next.request.0 as usize;
+                self.prefetch_write(j, self.reqs[j].prompt_tokens);
+            }
             let i = job.request.0 as usize;
             let r = &self.reqs[i];
             self.state[i].first_token = now;
             self.state[i].last_token = now;
             self.state[i].emitted = 1;
-            self.write_blocks(now, r, r.prompt_tokens);
+            self.write_blocks(now, i, r.prompt_tokens);
             // SWA state at the last 128-multiple of the prompt (SPEC §5).
             let at = (r.prompt_tokens / c.block_tokens) * c.block_tokens;
-            if let Some(key) = r.key_at(at) {
+            if let Some(key) = key_at(self.keys(i), r, c.block_tokens, at) {
                 self.store_swa(now, machine, key, r.class);
             }
             if r.output_tokens <= 1 {
@@ -1591,7 +1746,11 @@ impl<'a> Sim<'a> {
         self.tokens[3] += measured_tokens;
         let finished = std::mem::take(&mut self.finished_seqs);
         self.prefetch_chains(finished.iter().map(|&i| i as usize), |r| r.context_tokens());
-        for &i in &finished {
+        for (n, &i) in finished.iter().enumerate() {
+            if let Some(&j) = finished.get(n + 1) {
+                let j = j as usize;
+                self.prefetch_write(j, self.reqs[j].context_tokens());
+            }
             self.complete(now, i as usize);
         }
         self.finished_seqs = finished;
@@ -1612,7 +1771,7 @@ impl<'a> Sim<'a> {
         self.completed += 1;
         self.cur.completions += 1;
         if r.output_tokens > 1 {
-            self.write_blocks(now, r, r.context_tokens());
+            self.write_blocks(now, i, r.context_tokens());
             let at = (r.context_tokens() / c.block_tokens) * c.block_tokens;
             let machine = self
                 .cfg
@@ -1621,7 +1780,7 @@ impl<'a> Sim<'a> {
                 .div_ceil(self.cfg.prefill.gpus_per_machine)
                 + self.decode[self.state[i].decode_group as usize].first_rank_gpu
                     / self.cfg.decode.gpus_per_machine;
-            if let Some(key) = r.key_at(at) {
+            if let Some(key) = key_at(self.keys(i), r, c.block_tokens, at) {
                 self.store_swa(now, MachineId(machine), key, r.class);
             }
         }
