@@ -92,21 +92,6 @@ impl ContentChain {
     pub fn total_tokens(&self) -> u32 {
         self.total_tokens
     }
-    /// Asks the CPU to start loading the keys of the full blocks within `tokens` (at most the
-    /// last four cache lines of them): a caller that will look those keys up soon overlaps
-    /// their cache misses with other work. No effect on results.
-    pub fn prefetch_blocks(&self, tokens: std::ops::Range<u32>) {
-        const KEYS_PER_LINE: usize = 64 / std::mem::size_of::<BlockKey>();
-        let end = ((tokens.end / self.block_tokens) as usize).min(self.blocks.len());
-        let start = ((tokens.start / self.block_tokens) as usize)
-            .max(end.saturating_sub(4 * KEYS_PER_LINE));
-        for i in (start..end).step_by(KEYS_PER_LINE) {
-            prefetch_read(&raw const self.blocks[i]);
-        }
-        if start < end {
-            prefetch_read(&raw const self.blocks[end - 1]);
-        }
-    }
     /// Keys of the full blocks inside the first `tokens` tokens.
     pub fn full_blocks(&self, tokens: u32) -> &[BlockKey] {
         let n = (tokens / self.block_tokens) as usize;

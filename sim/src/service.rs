@@ -588,8 +588,8 @@ fn key_at(keys: &[BlockKey], r: &Request, block_tokens: u32, pos: u32) -> Option
     }
 }
 
-/// Asks the CPU to start loading the last four cache lines of `keys`
-/// ([`servelab_core::ContentChain::prefetch_blocks`]).
+/// Asks the CPU to start loading the last four cache lines of `keys`: a caller that will look
+/// those keys up soon overlaps their cache misses with other work. No effect on results.
 #[inline]
 fn prefetch_tail(keys: &[BlockKey]) {
     const KEYS_PER_LINE: usize = 64 / std::mem::size_of::<BlockKey>();
