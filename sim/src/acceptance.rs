@@ -143,24 +143,19 @@ pub struct AcceptanceTable {
     /// values share a rank, so (rank, sequence, position) orders drafts exactly as the split
     /// kernel does (cumulative confidence descending, then sequence, then position).
     rank: Vec<u32>,
-    /// The rank's coarse bucket (one of at most [`RANK_BUCKETS`], see `split`) per (profile,
-    /// position): a quarter of `rank`'s bytes, so the split's passes over a step's drafts stay
-    /// in L1 and only the cut's bucket reads `rank`.
+    /// The rank's coarse bucket (one of at most [`RANK_BUCKETS`]) per (profile, position):
+    /// [`Self::split`]'s counting pass.
     bucket: Vec<u8>,
     bin: Vec<u8>,
     /// Per profile, for rows of at most [`RECORD_DRAFTS`] drafts: what a sequence-step reads
-    /// except the rank buckets, in one cache line that [`Self::step_rank`] prefetches a few
+    /// except the histogram bins, in one cache line that [`Self::step_rank`] prefetches a few
     /// sequences ahead (the 4,096-profile table does not stay cached between steps).
     records: Vec<Record>,
-    /// Per profile, with `records`: rank buckets then histogram bins of the drafts.
-    byte_rows: Vec<ByteRow>,
+    /// Per profile, with `records`: the drafts' histogram bins, byte `i` for draft `i` (the
+    /// bytes past the row are 0), so [`Self::step_rank`] compares a row with the cut's bin in
+    /// a few word operations.
+    bin_rows: Vec<u64>,
 }
-
-/// A profile's per-draft bytes (`bucket` then `bin`), 16-byte aligned: one cache line of a
-/// 64 KiB table that mostly stays cached.
-#[derive(Clone, Copy, Debug, Default)]
-#[repr(C, align(16))]
-struct ByteRow([u8; 2 * RECORD_DRAFTS]);
 
 /// Drafts a [`Record`] holds.
 const RECORD_DRAFTS: usize = 5;
@@ -199,17 +194,20 @@ pub struct RankScratch {
     /// Per sequence: uniform word (low 32 bits), profile (bits 32..48), drafts allowed
     /// (bits 48..56), drafts the uniform accepts out of all `drafts` (bits 56..64).
     packed: Vec<u64>,
+    /// Per sequence (rows of [`RECORD_DRAFTS`] drafts): its bin row (see `bin_rows`) with the
+    /// bytes of drafts it may not verify cleared, so the second pass reads it in order.
+    rows: Vec<u64>,
+    /// Sequences with drafts in the cut's bin (a prefix of it, the rest stale).
+    at_cut: Vec<u32>,
     keys: Vec<u64>,
     /// Histogram counts and sums, all zero between calls. The sums go to interleaved lanes
     /// (consecutive sequences to different lanes, merged at the end as `fill_histogram` does):
     /// most drafts land in the same few high-confidence bins, and a single accumulator per
-    /// bin would chain every floating-point add on the previous one through memory.
+    /// bin would chain every floating-point add on the previous one through memory. The
+    /// counts stay in one lane: four lanes measured slower, their merge costing more than the
+    /// chained increments.
     count: [u32; CONFIDENCE_BINS],
     sum: [[f64; CONFIDENCE_BINS]; RankScratch::LANES],
-    /// Drafts per rank bucket and per group of [`COARSE_WIDTH`] buckets, all zero between
-    /// calls (a fresh 1 KiB array per rank-step was a measurable memset).
-    bucket_count: [u32; RANK_BUCKETS],
-    coarse_count: [u32; COARSE_BUCKETS],
 }
 
 impl RankScratch {
@@ -220,11 +218,11 @@ impl Default for RankScratch {
     fn default() -> Self {
         RankScratch {
             packed: Vec::new(),
+            rows: Vec::new(),
+            at_cut: Vec::new(),
             keys: Vec::new(),
             count: [0; CONFIDENCE_BINS],
             sum: [[0.0; CONFIDENCE_BINS]; RankScratch::LANES],
-            bucket_count: [0; RANK_BUCKETS],
-            coarse_count: [0; COARSE_BUCKETS],
         }
     }
 }
@@ -240,12 +238,9 @@ pub struct RankStep {
     pub verified: u32,
 }
 
-/// Coarse rank buckets of the split's counting pass: few enough to clear per rank-step, many
-/// enough that the bucket holding the cut has only a handful of drafts.
+/// Coarse rank buckets of [`AcceptanceTable::split`]'s counting pass: few enough to count
+/// per call, many enough that the bucket holding the cut has only a handful of drafts.
 const RANK_BUCKETS: usize = 256;
-/// Rank buckets per group of the cut search.
-const COARSE_WIDTH: usize = 16;
-const COARSE_BUCKETS: usize = RANK_BUCKETS / COARSE_WIDTH;
 
 impl AcceptanceTable {
     pub fn new(m: &AcceptanceModel, drafts: u32, seed: u64) -> Self {
@@ -309,13 +304,13 @@ impl AcceptanceTable {
         } else {
             Vec::new()
         };
-        let byte_rows = if d <= RECORD_DRAFTS {
+        let bin_rows = if d <= RECORD_DRAFTS {
             (0..k)
                 .map(|p| {
-                    let mut r = ByteRow::default();
-                    r.0[..d].copy_from_slice(&bucket[p * d..(p + 1) * d]);
-                    r.0[RECORD_DRAFTS..RECORD_DRAFTS + d].copy_from_slice(&bin[p * d..(p + 1) * d]);
-                    r
+                    let row = &bin[p * d..(p + 1) * d];
+                    row.iter()
+                        .enumerate()
+                        .fold(0u64, |w, (i, &b)| w | u64::from(b) << (8 * i))
                 })
                 .collect()
         } else {
@@ -331,18 +326,23 @@ impl AcceptanceTable {
             bucket,
             bin,
             records,
-            byte_rows,
+            bin_rows,
         }
     }
 
     /// One rank's decode step in two passes over its sequences: draws each sequence's
     /// (profile, uniform) from `next_word` in order, splits `budget` (None: every sequence
     /// verifies its `max_drafts`) exactly as [`Self::split`] does, writes each sequence's
-    /// verified and accepted drafts to `out` and the drafts' confidences to `hist` (cleared
-    /// first) exactly as [`Self::fill_histogram`] does. The first pass counts rank buckets and
-    /// fills the histogram; the second takes each sequence's prefix below the cut. Same draws,
-    /// same results as draw + [`Self::split`] + [`Self::accepted`] + [`Self::fill_histogram`],
+    /// verified and accepted drafts to `out` and the drafts' confidences to `hist` exactly as
+    /// [`Self::fill_histogram`] does into an empty histogram. The first pass fills the
+    /// histogram; the second takes each sequence's prefix above the cut. Same draws, same
+    /// results as draw + [`Self::split`] + [`Self::accepted`] + [`Self::fill_histogram`],
     /// without their intermediate vectors and extra passes.
+    ///
+    /// The cut is found on the histogram itself: a draft's bin is a non-decreasing function
+    /// of its cumulative confidence, so drafts in bins above the cut's bin rank before every
+    /// draft in it, and only the cut's bin needs the exact (rank, sequence, position) order.
+    /// The histogram is counted anyway, so the split costs no counting of its own.
     pub fn step_rank(
         &self,
         seqs: &[DecodeSeq],
@@ -353,25 +353,16 @@ impl AcceptanceTable {
         hist: &mut ConfidenceHistogram,
     ) -> RankStep {
         // DSpark drafts 5 tokens: with the row length known the per-draft loops unroll.
-        // With a budget (dynamic verification) the drafts' rank buckets are counted too.
-        match (self.drafts == RECORD_DRAFTS, budget.is_some()) {
-            (true, true) => {
-                self.step_rank_d::<RECORD_DRAFTS, true>(seqs, budget, next_word, scratch, out, hist)
-            }
-            (true, false) => self
-                .step_rank_d::<RECORD_DRAFTS, false>(seqs, budget, next_word, scratch, out, hist),
-            (false, true) => {
-                self.step_rank_d::<0, true>(seqs, budget, next_word, scratch, out, hist)
-            }
-            (false, false) => {
-                self.step_rank_d::<0, false>(seqs, budget, next_word, scratch, out, hist)
-            }
+        if self.drafts == RECORD_DRAFTS {
+            self.step_rank_d::<RECORD_DRAFTS>(seqs, budget, next_word, scratch, out, hist)
+        } else {
+            self.step_rank_d::<0>(seqs, budget, next_word, scratch, out, hist)
         }
     }
 
     /// [`Self::step_rank`] for rows of `D` drafts read from `records` (`D` = [`RECORD_DRAFTS`]),
     /// or (`D` = 0) of `self.drafts` drafts read from the per-quantity tables.
-    fn step_rank_d<const D: usize, const DYNAMIC: bool>(
+    fn step_rank_d<const D: usize>(
         &self,
         seqs: &[DecodeSeq],
         budget: Option<u32>,
@@ -383,30 +374,32 @@ impl AcceptanceTable {
         let d = if D > 0 { D } else { self.drafts };
         let n = seqs.len();
         let out = &mut out[..n];
-        hist.clear();
         let RankScratch {
             packed,
+            rows,
+            at_cut,
             keys,
             count,
             sum,
-            bucket_count,
-            coarse_count,
         } = scratch;
         packed.clear();
+        if D == RECORD_DRAFTS {
+            rows.resize(n, 0);
+        }
         // Draws first (in sequence order, as the unfused path), so the records can be
         // prefetched ahead of use.
-        for _ in 0..n {
+        packed.extend((0..n).map(|_| {
             let x = next_word();
-            packed.push(x & 0xffff_ffff | u64::from(self.draw_from_word(x).0) << 32);
-        }
+            x & 0xffff_ffff | u64::from(self.draw_from_word(x).0) << 32
+        }));
         let profile = |w: u64| ((w >> 32) & 0xffff) as usize;
         let fetch = |w: u64| {
             let p = profile(w);
             if D == RECORD_DRAFTS {
                 prefetch((&raw const self.records[p]).cast());
-                prefetch((&raw const self.byte_rows[p]).cast());
+                prefetch((&raw const self.bin_rows[p]).cast());
             } else {
-                prefetch((&raw const self.bucket[p * d]).cast());
+                prefetch((&raw const self.bin[p * d]).cast());
             }
         };
         for &w in &packed[..n.min(PREFETCH_AHEAD)] {
@@ -414,9 +407,8 @@ impl AcceptanceTable {
         }
         let (mut kv, mut total) = (0u64, 0usize);
         let mut max_kv = 0u32;
-        let dynamic = DYNAMIC;
-        // Bins any draft of this step landed in: only those are merged and reset below.
-        let mut touched = 0u64;
+        // Bins are below 64: masking an index with this is a no-op that spares bounds checks.
+        const BIN_MASK: usize = CONFIDENCE_BINS - 1;
         for s in 0..n {
             if let Some(&w) = packed.get(s + PREFETCH_AHEAD) {
                 fetch(w);
@@ -428,14 +420,6 @@ impl AcceptanceTable {
             max_kv = max_kv.max(q.kv_tokens);
             total += m;
             let p = profile(w);
-            let (buckets, bins) = if D == RECORD_DRAFTS {
-                self.byte_rows[p].0.split_at(RECORD_DRAFTS)
-            } else {
-                (
-                    &self.bucket[p * d..(p + 1) * d],
-                    &self.bin[p * d..(p + 1) * d],
-                )
-            };
             let lane = s % RankScratch::LANES;
             // Entries above `u` are a prefix of the non-increasing row (see `accepted`).
             let accepts = if D == RECORD_DRAFTS {
@@ -451,66 +435,45 @@ impl AcceptanceTable {
                     .sum()
             };
             packed[s] = w | (m as u64) << 48 | u64::from(accepts) << 56;
-            for i in 0..d {
-                if i < m {
-                    if dynamic {
-                        let b = buckets[i] as usize;
-                        bucket_count[b] += 1;
-                        coarse_count[b / COARSE_WIDTH] += 1;
+            if D == RECORD_DRAFTS {
+                let (r, row) = (&self.records[p], self.bin_rows[p]);
+                rows[s] = row & ((1u64 << (8 * m)) - 1);
+                let sum = &mut sum[lane];
+                for i in 0..D {
+                    if i < m {
+                        let b = (row >> (8 * i)) as usize & BIN_MASK;
+                        count[b] += 1;
+                        sum[b] += r.cum_conf[i];
                     }
-                    let c = if D == RECORD_DRAFTS {
-                        self.records[p].cum_conf[i]
-                    } else {
-                        self.cum_conf[p * d + i]
-                    };
-                    let b = bins[i] as usize;
-                    touched |= 1 << b;
+                }
+            } else {
+                let base = p * d;
+                let sum = &mut sum[lane];
+                for (&b, &c) in self.bin[base..base + m]
+                    .iter()
+                    .zip(&self.cum_conf[base..base + m])
+                {
+                    let b = b as usize & BIN_MASK;
                     count[b] += 1;
-                    sum[lane][b] += c;
+                    sum[b] += c;
                 }
             }
         }
+        // Every bin at once (vector adds, no record of which bins were touched): what
+        // `fill_histogram` leaves in an empty histogram, the lanes reset for the next call.
+        hist.count.resize(CONFIDENCE_BINS, 0);
+        hist.sum.resize(CONFIDENCE_BINS, 0.0);
         let (hist_count, hist_sum) = (
             &mut hist.count[..CONFIDENCE_BINS],
             &mut hist.sum[..CONFIDENCE_BINS],
         );
-        while touched != 0 {
-            let b = touched.trailing_zeros() as usize;
-            touched &= touched - 1;
-            hist_count[b] += std::mem::take(&mut count[b]);
-            hist_sum[b] += ((sum[0][b] + sum[1][b]) + sum[2][b]) + sum[3][b];
-            for lane in sum.iter_mut() {
-                lane[b] = 0.0;
-            }
+        let [s0, s1, s2, s3] = sum;
+        for b in 0..CONFIDENCE_BINS {
+            hist_count[b] = std::mem::take(&mut count[b]);
+            hist_sum[b] = ((s0[b] + s1[b]) + s2[b]) + s3[b];
+            (s0[b], s1[b], s2[b], s3[b]) = (0.0, 0.0, 0.0, 0.0);
         }
-        hist.seqs += n as u32;
-        // The cut's bucket, as in `split`: first the group of buckets holding it, then the
-        // bucket inside the group (at most 2 × 16 steps instead of up to 256). The counts are
-        // cleared group by group for the next call (untouched groups are already zero).
-        let (mut cut, mut below) = (0usize, 0usize);
-        if dynamic {
-            let limit = budget.map_or(usize::MAX, |b| b as usize);
-            if limit < total {
-                let mut g = 0;
-                while g < COARSE_BUCKETS && below + coarse_count[g] as usize <= limit {
-                    below += coarse_count[g] as usize;
-                    g += 1;
-                }
-                cut = g * COARSE_WIDTH;
-                if g < COARSE_BUCKETS {
-                    while below + bucket_count[cut] as usize <= limit {
-                        below += bucket_count[cut] as usize;
-                        cut += 1;
-                    }
-                }
-            }
-            for (g, c) in coarse_count.iter_mut().enumerate() {
-                if *c != 0 {
-                    *c = 0;
-                    bucket_count[g * COARSE_WIDTH..(g + 1) * COARSE_WIDTH].fill(0);
-                }
-            }
-        }
+        hist.seqs = n as u32;
         let budget = match budget {
             Some(b) if (b as usize) < total => b as usize,
             _ => {
@@ -531,39 +494,58 @@ impl AcceptanceTable {
                 };
             }
         };
-        keys.clear();
+        // The cut's bin `cut`: fewer than `budget` drafts lie above it, at least that many in
+        // it and above (the budget is below the total, so the scan stops at a bin).
+        let (mut cut, mut above) = (CONFIDENCE_BINS - 1, 0usize);
+        while above + hist.count[cut] as usize <= budget {
+            above += hist.count[cut] as usize;
+            cut -= 1;
+        }
         let mut verified = 0u32;
+        // Per byte of a bin row: adding `0x7f - cut` sets the byte's top bit iff its bin lies
+        // above the cut (bins are below 64, so no byte carries into the next).
+        const ONES: u64 = 0x0101_0101_0101_0101;
+        let over = ONES * (0x7f - cut as u64);
+        // Sequences at the cut are listed without a branch (they are few and unpredictable).
+        at_cut.resize(n, 0);
+        let mut n_cut = 0;
         for (s, (o, &w)) in out.iter_mut().zip(packed.iter()).enumerate() {
             let (m, a) = (((w >> 48) & 0xff) as usize, (w >> 56) as u8);
-            let row = if D == RECORD_DRAFTS {
-                &self.byte_rows[profile(w)].0[..RECORD_DRAFTS]
+            // Bins never rise along a sequence: those above the cut are a prefix, and the
+            // ones in the cut's bin follow it.
+            let (l, next) = if D == RECORD_DRAFTS {
+                let row = rows[s];
+                let above = ((row + over) >> 7) & ONES;
+                let l = (above.wrapping_mul(ONES) >> 56) as usize;
+                (l, (row >> (8 * l)) as u8)
             } else {
-                &self.bucket[profile(w) * d..(profile(w) + 1) * d]
+                let p = profile(w);
+                let row = &self.bin[p * d..p * d + m];
+                let l = row.iter().map(|&b| usize::from(b as usize > cut)).sum();
+                (l, row.get(l).copied().unwrap_or(0))
             };
-            // Buckets never fall along a sequence: those below the cut are a prefix, and the
-            // ones in the cut's bucket follow it.
-            let mut l = 0u8;
-            let mut at_cut = false;
-            for (i, &b) in row.iter().enumerate() {
-                if i < m {
-                    l += u8::from((b as usize) < cut);
-                    at_cut |= b as usize == cut;
-                }
-            }
-            if at_cut {
-                let base = profile(w) * d;
-                let at = row[..m].iter().enumerate().skip(l as usize);
-                for (i, _) in at.take_while(|&(_, &b)| b as usize == cut) {
-                    keys.push(u64::from(self.rank[base + i]) << 32 | (s as u64) << 8 | i as u64);
-                }
-            }
-            verified += u32::from(l);
+            at_cut[n_cut] = s as u32;
+            n_cut += usize::from(l < m && next as usize == cut);
+            verified += l as u32;
             *o = SeqOutcome {
-                verified: l,
-                accepted: a.min(l),
+                verified: l as u8,
+                accepted: a.min(l as u8),
             };
         }
-        let need = budget - below;
+        keys.clear();
+        for &s in &at_cut[..n_cut] {
+            let w = packed[s as usize];
+            let (m, l) = (
+                ((w >> 48) & 0xff) as usize,
+                out[s as usize].verified as usize,
+            );
+            let base = profile(w) * d;
+            let at = self.bin[base..base + m].iter().enumerate().skip(l);
+            for (i, _) in at.take_while(|&(_, &b)| b as usize == cut) {
+                keys.push(u64::from(self.rank[base + i]) << 32 | u64::from(s) << 8 | i as u64);
+            }
+        }
+        let need = budget - above;
         if need > 0 {
             keys.select_nth_unstable(need - 1);
             for &k in &keys[..need] {

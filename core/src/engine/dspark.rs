@@ -123,7 +123,10 @@ pub struct ActiveExpertTerm {
 }
 
 impl ActiveExpertTerm {
-    /// Expected distinct experts `query_tokens` tokens activate.
+    /// Expected distinct experts `query_tokens` tokens activate. Not inlined: the compiler
+    /// would otherwise evaluate the power (a library call) on every step-time prediction,
+    /// before testing whether the model has the term at all.
+    #[inline(never)]
     pub fn expected_active(&self, query_tokens: u32) -> f64 {
         let e = f64::from(self.experts);
         let miss = 1.0 - f64::from(self.top_k) / e;
@@ -169,12 +172,8 @@ impl DecodeTimeModel {
         dynamic: bool,
         imbalance: f64,
     ) -> f64 {
-        let mean = if seqs == 0 {
-            0
-        } else {
-            kv_tokens.div_ceil(u64::from(seqs))
-        };
-        self.predict_with_max_ns(seqs, kv_tokens, mean, query_tokens, dynamic, imbalance)
+        self.curve(seqs, kv_tokens, dynamic, imbalance)
+            .at(query_tokens)
     }
 
     /// Predicted step time of one rank, nanoseconds, knowing its longest sequence's KV tokens.
@@ -187,26 +186,44 @@ impl DecodeTimeModel {
         dynamic: bool,
         imbalance: f64,
     ) -> f64 {
-        if seqs == 0 {
-            return 0.0;
-        }
-        let n = f64::from(query_tokens);
-        let token = self.per_token_ns * n + self.per_token_sq_ns * n * n;
-        let scale = 1.0 - self.moe_share + self.moe_share * imbalance / self.reference_imbalance;
-        self.base_ns
-            + self.per_seq_ns * f64::from(seqs)
-            + self.per_kv_token_ns * kv_tokens as f64
-            + self.per_max_kv_token_ns * max_kv_tokens as f64
-            + token * scale
-            + if dynamic {
+        self.curve_with_max(seqs, kv_tokens, max_kv_tokens, dynamic, imbalance)
+            .at(query_tokens)
+    }
+
+    /// [`Self::predict_ns`] as a function of the query tokens alone, for a search over budgets.
+    pub fn curve(&self, seqs: u32, kv_tokens: u64, dynamic: bool, imbalance: f64) -> StepCurve<'_> {
+        let mean = if seqs == 0 {
+            0
+        } else {
+            kv_tokens.div_ceil(u64::from(seqs))
+        };
+        self.curve_with_max(seqs, kv_tokens, mean, dynamic, imbalance)
+    }
+
+    /// [`Self::predict_with_max_ns`] as a function of the query tokens alone.
+    pub fn curve_with_max(
+        &self,
+        seqs: u32,
+        kv_tokens: u64,
+        max_kv_tokens: u64,
+        dynamic: bool,
+        imbalance: f64,
+    ) -> StepCurve<'_> {
+        StepCurve {
+            model: self,
+            empty: seqs == 0,
+            // The leading terms of the step time's sum, added in the same order as always.
+            fixed: self.base_ns
+                + self.per_seq_ns * f64::from(seqs)
+                + self.per_kv_token_ns * kv_tokens as f64
+                + self.per_max_kv_token_ns * max_kv_tokens as f64,
+            scale: 1.0 - self.moe_share + self.moe_share * imbalance / self.reference_imbalance,
+            dynamic_ns: if dynamic {
                 self.dynamic_overhead_ns
             } else {
                 0.0
-            }
-            + self
-                .active_experts
-                .as_ref()
-                .map_or(0.0, |a| a.per_expert_ns * a.expected_active(query_tokens))
+            },
+        }
     }
 
     pub fn validate(&self, field: &str) -> Result<(), ConfigError> {
@@ -236,6 +253,58 @@ impl DecodeTimeModel {
             a.validate(&format!("{field}.active_experts"))?;
         }
         super::validate_moe(field, self.moe_share, self.reference_imbalance)
+    }
+}
+
+/// One rank's predicted step time as a function of its query tokens: the terms that do not
+/// depend on them are summed once, so a search over budgets evaluates only the rest, with the
+/// same operations in the same order as [`DecodeTimeModel::predict_with_max_ns`] (same bits).
+#[derive(Clone, Copy, Debug)]
+pub struct StepCurve<'a> {
+    model: &'a DecodeTimeModel,
+    empty: bool,
+    fixed: f64,
+    scale: f64,
+    dynamic_ns: f64,
+}
+
+impl StepCurve<'_> {
+    /// The real query-token count at which the step time reaches `limit_ns`, solving the
+    /// quadratic in the token terms; None when the model has an active-expert term or the
+    /// time does not rise with the tokens. Only a starting point: rounding may put the exact
+    /// answer one token either side.
+    pub fn tokens_within(&self, limit_ns: f64) -> Option<f64> {
+        let m = self.model;
+        if self.empty || m.active_experts.is_some() {
+            return None;
+        }
+        let (a, b) = (m.per_token_sq_ns * self.scale, m.per_token_ns * self.scale);
+        let c = limit_ns - self.fixed - self.dynamic_ns;
+        let n = if a > 0.0 {
+            (-b + (b * b + 4.0 * a * c).max(0.0).sqrt()) / (2.0 * a)
+        } else if b > 0.0 {
+            c / b
+        } else {
+            return None;
+        };
+        n.is_finite().then_some(n)
+    }
+
+    /// Predicted step time, nanoseconds, for `query_tokens` query tokens (0 without sequences).
+    #[inline]
+    pub fn at(&self, query_tokens: u32) -> f64 {
+        if self.empty {
+            return 0.0;
+        }
+        let m = self.model;
+        let n = f64::from(query_tokens);
+        let token = m.per_token_ns * n + m.per_token_sq_ns * n * n;
+        self.fixed
+            + token * self.scale
+            + self.dynamic_ns
+            + m.active_experts
+                .as_ref()
+                .map_or(0.0, |a| a.per_expert_ns * a.expected_active(query_tokens))
     }
 }
 
@@ -307,10 +376,10 @@ pub fn choose_budget(model: &DecodeTimeModel, seen: &ConfidenceHistogram, at: Bu
         return at.max_drafts;
     }
     let scale = f64::from(at.seqs) / f64::from(seen.seqs);
+    let curve = model.curve(at.seqs, at.kv_tokens, true, at.imbalance);
     let rate = |drafts: f64, expected: f64| {
         let q = at.seqs + drafts.round() as u32;
-        (f64::from(at.seqs) + expected)
-            / model.predict_ns(at.seqs, at.kv_tokens, q, true, at.imbalance)
+        (f64::from(at.seqs) + expected) / curve.at(q)
     };
     let mut best = (rate(0.0, 0.0), 0.0);
     let (mut drafts, mut expected) = (0.0, 0.0);
@@ -337,14 +406,33 @@ pub fn budget_within(
     dynamic: bool,
     limit_ns: f64,
 ) -> u32 {
-    let t = |b: u32| model.predict_ns(at.seqs, at.kv_tokens, at.seqs + b, dynamic, at.imbalance);
+    let curve = model.curve(at.seqs, at.kv_tokens, dynamic, at.imbalance);
+    let t = |b: u32| curve.at(at.seqs + b);
     if t(at.max_drafts) <= limit_ns {
         return at.max_drafts;
     }
-    // Step time rises with the budget: binary search for the last budget within the limit.
+    // Step time rises with the budget: search for the last budget within the limit, keeping
+    // t(lo) <= limit < t(hi).
     let (mut lo, mut hi) = (0u32, at.max_drafts);
     if t(0) > limit_ns {
         return 0;
+    }
+    // The quadratic's real root lands on (or next to) the answer: the search starts with the
+    // budgets around it and narrows by halves only if they do not settle it (the real-valued
+    // guess may be off by rounding; the bounds stay exact either way).
+    if let Some(tokens) = curve.tokens_within(limit_ns).filter(|_| hi >= 2) {
+        let g = (tokens.floor() - f64::from(at.seqs)).clamp(1.0, f64::from(hi - 1)) as u32;
+        if t(g) <= limit_ns {
+            if t(g + 1) > limit_ns {
+                return g;
+            }
+            lo = g + 1;
+        } else {
+            if t(g - 1) <= limit_ns {
+                return g - 1;
+            }
+            hi = g - 1;
+        }
     }
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
@@ -464,6 +552,102 @@ mod tests {
         assert_eq!(budget_within(&model(), at, false, 1499.0), 3);
         assert_eq!(budget_within(&model(), at, false, 100.0), 0);
         assert_eq!(budget_within(&model(), at, false, 1e9), 10);
+    }
+
+    /// The step-time formula as one expression (how `predict_with_max_ns` was written before
+    /// the curve split its terms): the curve must give these bits.
+    fn formula(
+        m: &DecodeTimeModel,
+        seqs: u32,
+        kv: u64,
+        max_kv: u64,
+        q: u32,
+        dynamic: bool,
+        imb: f64,
+    ) -> f64 {
+        if seqs == 0 {
+            return 0.0;
+        }
+        let n = f64::from(q);
+        let token = m.per_token_ns * n + m.per_token_sq_ns * n * n;
+        let scale = 1.0 - m.moe_share + m.moe_share * imb / m.reference_imbalance;
+        m.base_ns
+            + m.per_seq_ns * f64::from(seqs)
+            + m.per_kv_token_ns * kv as f64
+            + m.per_max_kv_token_ns * max_kv as f64
+            + token * scale
+            + if dynamic { m.dynamic_overhead_ns } else { 0.0 }
+            + m.active_experts
+                .as_ref()
+                .map_or(0.0, |a| a.per_expert_ns * a.expected_active(q))
+    }
+
+    fn any_model() -> impl proptest::strategy::Strategy<Value = DecodeTimeModel> {
+        use proptest::prelude::*;
+        (
+            (
+                0.0..5e6f64,
+                0.0..2e5f64,
+                0.0..1.0f64,
+                0.0..1e4f64,
+                0.0..50.0f64,
+            ),
+            (0.0..3e5f64, 0.0..1.0f64, 1.0..1.5f64, 0.0..1.0f64),
+            proptest::option::of((0.0..1e6f64, 1u32..16, 1u32..4)),
+        )
+            .prop_map(
+                |((base, seq, kv, tok, sq), (dynamic, moe, reference, max_kv), experts)| {
+                    DecodeTimeModel {
+                        base_ns: base,
+                        per_seq_ns: seq,
+                        per_kv_token_ns: kv,
+                        per_token_ns: tok,
+                        // Often exactly linear, to cover the linear root.
+                        per_token_sq_ns: if sq < 10.0 { 0.0 } else { sq },
+                        dynamic_overhead_ns: dynamic,
+                        moe_share: moe,
+                        reference_imbalance: reference,
+                        per_max_kv_token_ns: max_kv,
+                        active_experts: experts.map(|(per_expert_ns, experts, k)| {
+                            ActiveExpertTerm {
+                                per_expert_ns,
+                                experts: experts.max(k),
+                                top_k: k,
+                            }
+                        }),
+                    }
+                },
+            )
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn curve_gives_the_formulas_bits(m in any_model(), seqs in 0u32..200, kv in 0u64..20_000_000,
+                                         max_kv in 0u64..200_000, q in 0u32..2000, dynamic in proptest::bool::ANY,
+                                         imb in 1.0..2.0f64) {
+            let want = formula(&m, seqs, kv, max_kv, q, dynamic, imb);
+            proptest::prop_assert_eq!(m.predict_with_max_ns(seqs, kv, max_kv, q, dynamic, imb).to_bits(), want.to_bits());
+            let mean = if seqs == 0 { 0 } else { kv.div_ceil(u64::from(seqs)) };
+            let want = formula(&m, seqs, kv, mean, q, dynamic, imb);
+            proptest::prop_assert_eq!(m.predict_ns(seqs, kv, q, dynamic, imb).to_bits(), want.to_bits());
+        }
+
+        /// The root-guided search finds the last budget within the limit, as a scan does,
+        /// whether the limit falls on a budget's exact time, between two, or outside them all.
+        #[test]
+        fn budget_within_matches_a_scan(m in any_model(), seqs in 1u32..130, kv in 0u64..20_000_000,
+                                        max_drafts in 0u32..700, pick in 0u32..800, jitter in -2i32..3,
+                                        dynamic in proptest::bool::ANY, imb in 1.0..2.0f64) {
+            let at = BudgetInputs { seqs, kv_tokens: kv, max_drafts, imbalance: imb };
+            let t = |b: u32| m.predict_ns(seqs, kv, seqs + b, dynamic, imb);
+            let exact = t(pick);
+            let limit = match jitter {
+                0 => exact,
+                j => f64::from_bits(exact.to_bits().wrapping_add_signed(i64::from(j))),
+            };
+            let want = (0..=max_drafts).rev().find(|&b| t(b) <= limit).unwrap_or(0);
+            proptest::prop_assert_eq!(budget_within(&m, at, dynamic, limit), want);
+        }
     }
 
     #[test]
