@@ -919,25 +919,20 @@ impl KvStore {
         let mut bytes = 0u64;
         // Σ mix64 of the map slot each listed object should have (fingerprint and index).
         let mut want_slots = 0u64;
-        for (w, &word) in listed.iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let i = (w * 64) as u32 + bits.trailing_zeros();
-                bits &= bits - 1;
-                let e = &self.slab[i as usize];
-                if e.expires <= self.now {
-                    return Err(format!(
-                        "object {:?} is past its TTL but still stored",
-                        e.key
-                    ));
-                }
-                let Some(&size) = self.sizes.get(e.size as usize) else {
-                    return Err(format!("object {:?} has no size", e.key));
-                };
-                count += 1;
-                bytes += size;
-                want_slots = want_slots.wrapping_add(mix64(KeyTable::pack(e.key.0, i)));
+        for i in set_bits(&listed) {
+            let e = &self.slab[i as usize];
+            if e.expires <= self.now {
+                return Err(format!(
+                    "object {:?} is past its TTL but still stored",
+                    e.key
+                ));
             }
+            let Some(&size) = self.sizes.get(e.size as usize) else {
+                return Err(format!("object {:?} has no size", e.key));
+            };
+            count += 1;
+            bytes += size;
+            want_slots = want_slots.wrapping_add(mix64(KeyTable::pack(e.key.0, i)));
         }
         if count + self.free.len() as u64 != n as u64 {
             return Err("slab slots neither stored nor free".into());
@@ -1002,35 +997,30 @@ impl KvStore {
                 .get(i as usize / 64)
                 .is_some_and(|w| w & (1 << (i % 64)) != 0)
         };
-        for (w, &word) in listed.iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let i = (w * 64) as u32 + bits.trailing_zeros();
-                bits &= bits - 1;
-                let e = &self.slab[i as usize];
-                let c = e.class as usize;
-                if c >= self.expiry.len() {
-                    return Err(format!("object {:?} has no expiry class", e.key));
+        for i in set_bits(&listed) {
+            let e = &self.slab[i as usize];
+            let c = e.class as usize;
+            if c >= self.expiry.len() {
+                return Err(format!("object {:?} has no expiry class", e.key));
+            }
+            if e.exp_prev == NIL && self.expiry[c].head != i {
+                return Err("expiry list has two heads".into());
+            }
+            if e.exp_next == NIL {
+                if self.expiry[c].tail != i {
+                    return Err("expiry list has two tails".into());
                 }
-                if e.exp_prev == NIL && self.expiry[c].head != i {
-                    return Err("expiry list has two heads".into());
-                }
-                if e.exp_next == NIL {
-                    if self.expiry[c].tail != i {
-                        return Err("expiry list has two tails".into());
-                    }
-                    continue;
-                }
-                if !is_listed(e.exp_next) {
-                    return Err("expiry link to an object not stored".into());
-                }
-                let n = &self.slab[e.exp_next as usize];
-                if n.exp_prev != i || n.class != e.class {
-                    return Err("broken expiry back link".into());
-                }
-                if n.expires < e.expires {
-                    return Err("expiry list out of order".into());
-                }
+                continue;
+            }
+            if !is_listed(e.exp_next) {
+                return Err("expiry link to an object not stored".into());
+            }
+            let n = &self.slab[e.exp_next as usize];
+            if n.exp_prev != i || n.class != e.class {
+                return Err("broken expiry back link".into());
+            }
+            if n.expires < e.expires {
+                return Err("expiry list out of order".into());
             }
         }
         for list in &self.expiry {
@@ -1042,6 +1032,20 @@ impl KvStore {
         }
         Ok(())
     }
+}
+
+/// Indices of the set bits of a bitmap, in ascending order.
+fn set_bits(words: &[u64]) -> impl Iterator<Item = u32> + '_ {
+    words.iter().enumerate().flat_map(|(w, &word)| {
+        let mut bits = word;
+        std::iter::from_fn(move || {
+            (bits != 0).then(|| {
+                let i = (w * 64) as u32 + bits.trailing_zeros();
+                bits &= bits - 1;
+                i
+            })
+        })
+    })
 }
 
 #[cfg(test)]

@@ -374,65 +374,55 @@ pub struct Fit {
     pub sync_gap_ns: f64,
 }
 
-/// One chunk of a prefill step, as the fit sees it.
-#[derive(Clone, Copy, Debug)]
-struct ChunkShape {
-    new_tokens: f64,
-    prefix_tokens: f64,
-    decoder_tokens: f64,
-    encoder_layers: f64,
-    decoder_layers: f64,
-}
-
 /// Columns: base, a, b, x (the coefficients of [`PrefillCostModel`] at the ramp `ramp_tokens`),
-/// summed over the step's chunks; the ramp follows the step's new tokens, as in
-/// [`PrefillCostModel::step_ns`].
+/// summed over the step's chunks, and the step's expert reads; the ramp follows the step's new
+/// tokens, as in [`PrefillCostModel::step_ns`].
 fn prefill_features(
-    chunks: &[ChunkShape],
+    chunks: &[PrefillChunk],
     ramp_tokens: f64,
     experts: &Option<ActiveExpertTerm>,
 ) -> Vec<f64> {
-    let rows: f64 = chunks.iter().map(|c| c.new_tokens).sum();
+    let rows: f64 = chunks.iter().map(|c| f64::from(c.new_tokens)).sum();
     let ramp = if ramp_tokens > 0.0 {
         (rows / ramp_tokens).min(1.0)
     } else {
         1.0
     };
     let mut f = vec![1.0, 0.0, 0.0, 0.0, 0.0];
-    let (mut replay, mut enc_layers, mut dec_layers) = (0.0, 0.0f64, 0.0f64);
     for c in chunks {
-        let (n, pre, r) = (c.new_tokens, c.prefix_tokens, c.decoder_tokens);
-        let (enc, dec) = (c.encoder_layers, c.decoder_layers);
+        let (n, pre, r) = (
+            f64::from(c.new_tokens),
+            f64::from(c.prefix_tokens),
+            f64::from(c.decoder_tokens),
+        );
+        let (enc, dec) = (f64::from(c.new_token_layers), f64::from(c.decoder_layers));
         f[1] += enc * n + dec * r;
         f[2] += enc * ramp * n * (pre + n / 2.0) + dec * r * r / 2.0;
         f[3] += dec * r * (pre + n);
-        replay += r;
-        if n > 0.0 {
-            enc_layers = enc_layers.max(enc);
-        }
-        if r > 0.0 {
-            dec_layers = dec_layers.max(dec);
-        }
     }
-    // The step's expert reads, as `PrefillCostModel::expert_reads_ns`.
     if let Some(a) = experts {
-        f[4] = enc_layers * a.expected_active(rows as u32)
-            + dec_layers * a.expected_active(replay as u32);
+        f[4] = a.prefill_layer_reads(chunks);
     }
     f
 }
 
 /// Every prefill step the fit sees (grid points, then workload steps) and its duration.
-fn prefill_steps(sweep: &Sweep, enc: f64, dec: f64) -> (Vec<Vec<ChunkShape>>, Vec<f64>) {
+fn prefill_steps(
+    sweep: &Sweep,
+    encoder_layers: usize,
+    decoder_layers: usize,
+) -> (Vec<Vec<PrefillChunk>>, Vec<f64>) {
     let mut shapes = Vec::new();
     let mut y = Vec::new();
     for p in &sweep.prefill {
-        shapes.push(vec![ChunkShape {
-            new_tokens: p.new_tokens as f64,
-            prefix_tokens: p.prefix_tokens as f64,
-            decoder_tokens: p.decoder_tokens as f64,
-            encoder_layers: enc,
-            decoder_layers: dec,
+        shapes.push(vec![PrefillChunk {
+            request: RequestId(0),
+            new_tokens: p.new_tokens as u32,
+            prefix_tokens: p.prefix_tokens as u32,
+            new_token_layers: encoder_layers as u32,
+            decoder_tokens: p.decoder_tokens as u32,
+            decoder_layers: decoder_layers as u32,
+            swap_in_bytes: 0,
         }]);
         y.push(p.median_ns);
     }
@@ -440,18 +430,7 @@ fn prefill_steps(sweep: &Sweep, enc: f64, dec: f64) -> (Vec<Vec<ChunkShape>>, Ve
         if let StepPlan::Prefill(p) = &s.plan
             && !p.chunks.is_empty()
         {
-            shapes.push(
-                p.chunks
-                    .iter()
-                    .map(|c| ChunkShape {
-                        new_tokens: f64::from(c.new_tokens),
-                        prefix_tokens: f64::from(c.prefix_tokens),
-                        decoder_tokens: f64::from(c.decoder_tokens),
-                        encoder_layers: f64::from(c.new_token_layers),
-                        decoder_layers: f64::from(c.decoder_layers),
-                    })
-                    .collect(),
-            );
+            shapes.push(p.chunks.clone());
             y.push(s.duration_ns.max(1) as f64);
         }
     }
@@ -523,7 +502,6 @@ pub fn fit(
     decoder_layers: usize,
     swap_in_bytes_per_s: f64,
 ) -> Fit {
-    let (enc, dec) = (encoder_layers as f64, decoder_layers as f64);
     // The active-expert terms need the model's expert count (old sweeps did not save it).
     let experts = (sweep.experts > 0 && sweep.top_k > 0 && sweep.top_k <= sweep.experts).then_some(
         ActiveExpertTerm {
@@ -532,7 +510,7 @@ pub fn fit(
             top_k: sweep.top_k as u32,
         },
     );
-    let (pshapes, py) = prefill_steps(sweep, enc, dec);
+    let (pshapes, py) = prefill_steps(sweep, encoder_layers, decoder_layers);
     // The ramp candidates: none, and every swept chunk size (ascending, so ties keep the
     // smaller ramp).
     let mut ramps: Vec<f64> = sweep.prefill.iter().map(|p| p.new_tokens as f64).collect();

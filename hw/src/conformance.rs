@@ -1073,13 +1073,9 @@ fn warm_up(
     if let Some(seed) = file.conformance.warmup_run_seed {
         // The same policies and workload shape under another seed, on the virtual clock;
         // only the backend's state is kept (and then reset).
-        let trace = servelab_workloads::generate::generate(
-            &file.workload,
-            seed,
-            file.backend.model.block_size as u32,
-        )?;
+        let reqs = workload_with_seed(file, seed)?;
         let mut checked = Checked { b, err: None };
-        drive(setup, &trace.requests, &mut checked)?;
+        drive(setup, &reqs, &mut checked)?;
         if let Some(e) = checked.err {
             return Err(e.into());
         }
@@ -1202,9 +1198,14 @@ pub fn host_overhead(run: &RunOutcome) -> HostOverhead {
 
 /// The generated workload of a config (ids = arrival order).
 pub fn workload(file: &ConformanceFile) -> Result<Vec<Request>, ConfigError> {
+    workload_with_seed(file, file.seed()?)
+}
+
+/// The config's workload under `seed` instead of its own.
+fn workload_with_seed(file: &ConformanceFile, seed: u64) -> Result<Vec<Request>, ConfigError> {
     let trace = servelab_workloads::generate::generate(
         &file.workload,
-        file.seed()?,
+        seed,
         file.backend.model.block_size as u32,
     )?;
     Ok(trace.requests)

@@ -100,22 +100,9 @@ impl PrefillCostModel {
     /// The step's expert weight reads ([`Self::active_experts`]): the encoder layers run once
     /// over all new tokens of the step, the decoder layers once over all replayed tokens.
     pub fn expert_reads_ns(&self, chunks: &[PrefillChunk]) -> f64 {
-        let Some(a) = &self.active_experts else {
-            return 0.0;
-        };
-        let (mut new, mut replay, mut enc, mut dec) = (0u32, 0u32, 0u32, 0u32);
-        for c in chunks {
-            new += c.new_tokens;
-            replay += c.decoder_tokens;
-            if c.new_tokens > 0 {
-                enc = enc.max(c.new_token_layers);
-            }
-            if c.decoder_tokens > 0 {
-                dec = dec.max(c.decoder_layers);
-            }
-        }
-        a.per_expert_ns
-            * (f64::from(enc) * a.expected_active(new) + f64::from(dec) * a.expected_active(replay))
+        self.active_experts
+            .as_ref()
+            .map_or(0.0, |a| a.per_expert_ns * a.prefill_layer_reads(chunks))
     }
 
     /// An upper bound of [`Self::expert_reads_ns`] for a step whose stacks have `layers` layers
@@ -152,6 +139,26 @@ impl PrefillCostModel {
             a.validate(&format!("{field}.active_experts"))?;
         }
         super::validate_moe(field, self.moe_share, self.reference_imbalance)
+    }
+}
+
+impl ActiveExpertTerm {
+    /// Expert weight reads of a prefill step, in (layer × expert) units: the encoder layers
+    /// once over all new tokens of the step, the decoder layers once over all replayed tokens.
+    /// [`PrefillCostModel::expert_reads_ns`] prices them; calibration fits the price.
+    pub fn prefill_layer_reads(&self, chunks: &[PrefillChunk]) -> f64 {
+        let (mut new, mut replay, mut enc, mut dec) = (0u32, 0u32, 0u32, 0u32);
+        for c in chunks {
+            new += c.new_tokens;
+            replay += c.decoder_tokens;
+            if c.new_tokens > 0 {
+                enc = enc.max(c.new_token_layers);
+            }
+            if c.decoder_tokens > 0 {
+                dec = dec.max(c.decoder_layers);
+            }
+        }
+        f64::from(enc) * self.expected_active(new) + f64::from(dec) * self.expected_active(replay)
     }
 }
 
