@@ -457,3 +457,30 @@ fn hw_conformance_wide_record_meets_the_targets_offline() {
         "{report}"
     );
 }
+
+/// `servelab ... | head`: output into a pipe whose reader has gone ends the command quietly
+/// (by SIGPIPE, as other Unix tools), not with a panic message.
+#[cfg(unix)]
+#[test]
+fn closed_stdout_pipe_is_not_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_servelab"))
+        .args(["econ", "--output-share", "0.1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("servelab starts");
+    // Close the read end before the command prints.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("servelab ends");
+    let err = stderr(&out);
+    assert!(!err.contains("panicked"), "{err}");
+    // 13 is SIGPIPE on Linux and the BSDs. (A command that printed everything before the
+    // close succeeds.)
+    assert!(
+        out.status.success() || out.status.signal() == Some(13),
+        "{:?}: {err}",
+        out.status
+    );
+}

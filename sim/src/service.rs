@@ -649,9 +649,17 @@ struct Emissions<'s> {
     emissions: u64,
     tokens: u64,
     measured_tokens: u64,
+    /// (gap, how many) not yet in `gaps`: [`Self::finish`] records it.
+    gap_run: (u64, u64),
 }
 
 impl Emissions<'_> {
+    /// Records the pending run of gaps; returns (emissions, tokens, measured tokens).
+    fn finish(self) -> (u64, u64, u64) {
+        self.gaps.record_n(self.gap_run.0, self.gap_run.1);
+        (self.emissions, self.tokens, self.measured_tokens)
+    }
+
     #[inline(always)]
     fn emit(&mut self, k: u32, e: SeqEmission) {
         let i = e.request.0 as usize;
@@ -675,7 +683,14 @@ impl Emissions<'_> {
         self.emissions += 1;
         self.tokens += u64::from(e.tokens);
         if t.measured {
-            self.gaps.record(gap.0);
+            // The sequences of a step mostly share one gap (the step time): a run of equal
+            // gaps is recorded at once.
+            if gap.0 == self.gap_run.0 {
+                self.gap_run.1 += 1;
+            } else {
+                self.gaps.record_n(self.gap_run.0, self.gap_run.1);
+                self.gap_run = (gap.0, 1);
+            }
             self.measured_tokens += u64::from(e.tokens);
         }
         if e.finished {
@@ -1723,6 +1738,7 @@ impl<'a> Sim<'a> {
             emissions: 0,
             tokens: 0,
             measured_tokens: 0,
+            gap_run: (0, 0),
         };
         let [StepPlan::Decode(cur), StepPlan::Decode(next)] = &mut d.plans else {
             unreachable!("decode plans")
@@ -1735,7 +1751,7 @@ impl<'a> Sim<'a> {
         } else {
             group.apply_report_taking(cur, &mut d.report, |k, e| em.emit(k, e));
         }
-        let (emissions, tokens, measured_tokens) = (em.emissions, em.tokens, em.measured_tokens);
+        let (emissions, tokens, measured_tokens) = em.finish();
         if steady {
             self.steady.decode_emissions += emissions;
             self.steady.decode_tokens += tokens;
