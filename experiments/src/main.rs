@@ -39,13 +39,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    // Rust ignores SIGPIPE, so a print into a closed pipe (`servelab ... | head`) panics. Like
-    // other Unix tools, end quietly instead.
-    #[cfg(unix)]
-    // SAFETY: restoring the default action of one signal before any thread is started.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    servelab_hw::cli::end_quietly_on_closed_pipe();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => cmd::run::run(a),

@@ -9,6 +9,18 @@ use crate::clock::ClockKind;
 use crate::commands::{self, CalibrateOptions, CommandError, ConformanceOptions, RefitOptions};
 use crate::conformance::{ConformanceFile, dry_run};
 
+/// For a command-line tool's `main`, before anything is printed: Rust ignores SIGPIPE, so a
+/// print into a closed pipe (`servelab ... | head`) panics. Like other Unix tools, end quietly
+/// (killed by the signal) instead. Used by both binaries.
+pub fn end_quietly_on_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: restores the default action of one signal; called at the start of `main`,
+    // before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 #[derive(clap::Subcommand, Debug)]
 pub enum HwCommand {
     /// Sweep prefill and decode step shapes through the CUDA backend, fit the simulator's

@@ -17,6 +17,7 @@ struct Cli {
 }
 
 fn main() {
+    cli::end_quietly_on_closed_pipe();
     if let Err(e) = cli::run(Cli::parse().cmd, &mut |l| eprintln!("{l}")) {
         eprintln!("error: {e}");
         std::process::exit(match e {
