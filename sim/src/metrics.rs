@@ -39,14 +39,8 @@ fn bucket_value(b: usize) -> u64 {
 impl Histogram {
     #[inline]
     pub fn record(&mut self, v: u64) {
-        let b = bucket(v);
-        if b >= self.counts.len() {
-            self.counts.resize(b + 1, 0);
-        }
-        self.counts[b] += 1;
-        self.n += 1;
-        self.sum += v as f64;
-        self.max = self.max.max(v);
+        // (`v as f64 * 1.0` is `v as f64` exactly.)
+        self.record_n(v, 1);
     }
     /// `n` samples of value `v`: the same histogram as `n` calls of [`Self::record`] (the sum
     /// is exact while it stays below 2^53, as it is for any run of nanosecond gaps shorter than
