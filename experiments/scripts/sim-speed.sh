@@ -64,8 +64,11 @@ fi
 printf 'binary\trep\tratio\twall_s\tuser_s\tsys_s\n'
 first=
 for rep in $(seq 1 "$reps"); do
+  k=0
   for bin in "$@"; do
-    dir="$out/$(basename "$bin")-$rep"
+    # Numbered, not named: two builds are often both called `servelab`.
+    k=$((k + 1))
+    dir="$out/binary$k-rep$rep"
     row=$(run_one "$bin" "$dir") || exit 1
     printf '%s\t%s\t%s\n' "$bin" "$rep" "$row"
     first=${first:-$dir}
