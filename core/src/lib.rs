@@ -18,6 +18,7 @@ pub mod seed;
 pub mod store;
 pub mod swa;
 pub mod time;
+pub mod unit;
 
 pub use consts::ServingConstants;
 pub use content::{BlockKey, ChainBuilder, ContentChain, Mark, SegmentId};

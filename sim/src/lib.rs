@@ -3,6 +3,7 @@
 pub mod acceptance;
 pub mod cost;
 pub mod dspark;
+pub mod env;
 pub mod events;
 pub mod metrics;
 pub mod profile;

@@ -51,7 +51,7 @@ fn run_with(placement: &str) -> ServiceReport {
 
 fn mean_decode_step_ns(r: &ServiceReport) -> f64 {
     let d = r.engines.iter().find(|e| e.pool == "decode").unwrap();
-    d.utilisation * r.simulated_s * 1e9 / d.steps as f64
+    d.busy_fraction * r.simulated_s * 1e9 / d.steps as f64
 }
 
 #[test]

@@ -66,7 +66,7 @@ fn every_arrival_completes_and_sessions_hit() {
     let rep = run(&small_unit(), &trace.requests, 7).unwrap();
     assert_eq!(rep.arrivals, trace.len() as u64);
     assert_eq!(
-        rep.completed + rep.rejected.iter().map(|r| r.1).sum::<u64>(),
+        rep.completed + rep.rejected.iter().map(|r| r.requests).sum::<u64>(),
         rep.arrivals
     );
     assert_eq!(rep.completed, rep.arrivals, "{:?}", rep.rejected);
@@ -127,7 +127,7 @@ fn bounded_queues_reject_with_a_reason() {
     c.prefill.max_jobs_per_engine = 1;
     c.prefill.gpus = 1;
     let rep = run(&c, &trace.requests, 9).unwrap();
-    let rejected: u64 = rep.rejected.iter().map(|r| r.1).sum();
+    let rejected: u64 = rep.rejected.iter().map(|r| r.requests).sum();
     assert!(rejected > 0);
     assert_eq!(rep.completed + rejected, rep.arrivals);
     assert!(

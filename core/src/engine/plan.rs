@@ -79,6 +79,33 @@ pub enum StepPlan {
     Decode(DecodePlan),
 }
 
+impl StepPlan {
+    pub fn as_prefill(&self) -> Option<&PrefillPlan> {
+        match self {
+            StepPlan::Prefill(p) => Some(p),
+            StepPlan::Decode(_) => None,
+        }
+    }
+    pub fn as_prefill_mut(&mut self) -> Option<&mut PrefillPlan> {
+        match self {
+            StepPlan::Prefill(p) => Some(p),
+            StepPlan::Decode(_) => None,
+        }
+    }
+    pub fn as_decode(&self) -> Option<&DecodePlan> {
+        match self {
+            StepPlan::Decode(p) => Some(p),
+            StepPlan::Prefill(_) => None,
+        }
+    }
+    pub fn as_decode_mut(&mut self) -> Option<&mut DecodePlan> {
+        match self {
+            StepPlan::Decode(p) => Some(p),
+            StepPlan::Prefill(_) => None,
+        }
+    }
+}
+
 /// What happened to one decode sequence in a step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SeqOutcome {

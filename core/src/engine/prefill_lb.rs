@@ -92,6 +92,9 @@ pub struct PrefillBalancer {
     next_round: Nanos,
     rr: u32,
     rounds: u64,
+    /// Push policies: requests whose engine could not take them yet, oldest first; the next
+    /// engine with room takes them.
+    held: VecDeque<QueuedPrefill>,
 }
 
 impl PrefillBalancer {
@@ -120,6 +123,7 @@ impl PrefillBalancer {
             next_round: Nanos::ZERO,
             rr: 0,
             rounds: 0,
+            held: VecDeque::new(),
         };
         // Before any demand is seen, spread engines evenly.
         let even = vec![1.0; tiers];
@@ -127,11 +131,31 @@ impl PrefillBalancer {
         Ok(b)
     }
 
+    /// Engines pull work: always for the tiered policy, and for a push policy while it holds
+    /// requests its chosen engines could not take.
     pub fn pulls(&self) -> bool {
+        self.pulls_by_tier() || !self.held.is_empty()
+    }
+    /// The tiered policy (engines belong to tiers).
+    pub fn pulls_by_tier(&self) -> bool {
         matches!(self.policy, PrefillLbPolicy::Tiered { .. })
     }
     pub fn queued(&self) -> usize {
-        self.tiers.iter().map(VecDeque::len).sum()
+        self.tiers.iter().map(VecDeque::len).sum::<usize>() + self.held.len()
+    }
+    /// When the next round re-assigns engines to tiers (tiered policy only).
+    pub fn next_round(&self) -> Option<Nanos> {
+        self.pulls_by_tier().then_some(self.next_round)
+    }
+
+    /// A push policy's request that its engine could not take yet: held until an engine
+    /// with room pulls it. False when the balancer's queue is full (the request is rejected).
+    pub fn hold(&mut self, q: QueuedPrefill) -> bool {
+        if self.queued() >= self.max_queued {
+            return false;
+        }
+        self.held.push_back(q);
+        true
     }
     pub fn engine_tier(&self, e: EngineId) -> usize {
         self.engine_tier[e.0 as usize]
@@ -209,7 +233,12 @@ impl PrefillBalancer {
         if let PrefillLbPolicy::Tiered { round, .. } = self.policy
             && now >= self.next_round
         {
-            let demand = std::mem::replace(&mut self.demand_ns, vec![0.0; self.tiers.len()]);
+            // A tier's demand is what it received last round plus what it still holds: a tier
+            // with queued work but no new submissions keeps its claim to an engine.
+            let mut demand = std::mem::replace(&mut self.demand_ns, vec![0.0; self.tiers.len()]);
+            for (d, tier) in demand.iter_mut().zip(&self.tiers) {
+                *d += tier.iter().map(|q| q.compute_ns.max(1.0)).sum::<f64>();
+            }
             self.assign(&demand);
             self.next_round = now + round;
             self.rounds += 1;
@@ -250,6 +279,10 @@ impl PrefillBalancer {
     /// Engine `e`, whose queued compute is `load_ns`, asks for work. Returns one request or
     /// nothing (quota reached, or nothing to pull); call again until it returns `None`.
     pub fn pull(&mut self, now: Nanos, e: EngineId, load_ns: f64) -> Option<QueuedPrefill> {
+        if !self.pulls_by_tier() {
+            // Push policies pull only what they held back, whoever has room first.
+            return self.held.pop_front();
+        }
         self.maybe_new_round(now);
         let PrefillLbPolicy::Tiered {
             quota,

@@ -185,7 +185,7 @@ pub fn simulate_candidates(
 }
 
 fn judge(slo: &Slo, p: u32, d: u32, report: ServiceReport) -> Candidate {
-    let rejected: u64 = report.rejected.iter().map(|(_, n)| n).sum();
+    let rejected: u64 = report.rejected.iter().map(|r| r.requests).sum();
     let rejected_share = rejected as f64 / report.arrivals.max(1) as f64;
     let mut why = Vec::new();
     if rejected_share > slo.max_rejected_share {
@@ -265,8 +265,8 @@ pub fn econ_check(c: &Candidate) -> Result<EconCheck> {
     let h = r.hit_rate();
     // Delivered rates per GPU over the run (busy rate × utilisation), and the traffic they
     // imply: everything the model needs comes from one window, the whole run.
-    let prefill_tps = r.prefill_tokens_per_s_per_gpu * r.prefill_utilisation;
-    let decode_tps = r.decode_tokens_per_s_per_gpu * r.decode_utilisation;
+    let prefill_tps = r.prefill_tokens_per_s_per_gpu * r.prefill_busy_fraction;
+    let decode_tps = r.decode_tokens_per_s_per_gpu * r.decode_busy_fraction;
     let miss_per_s = prefill_tps * f64::from(c.prefill_gpus);
     let output_per_s = decode_tps * f64::from(c.decode_gpus);
     let input_per_s = miss_per_s / (1.0 - h).max(1e-12);
@@ -350,8 +350,8 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         "tpot_mean_ms" => cands.iter().map(|c| ms(c.report.all.tpot_ns.mean())).collect::<Vec<_>>(),
         "rejected_share" => cands.iter().map(|c| c.rejected_share).collect::<Vec<_>>(),
         "hit_rate" => cands.iter().map(|c| c.report.hit_rate()).collect::<Vec<_>>(),
-        "prefill_utilisation" => cands.iter().map(|c| c.report.prefill_utilisation).collect::<Vec<_>>(),
-        "decode_utilisation" => cands.iter().map(|c| c.report.decode_utilisation).collect::<Vec<_>>(),
+        "prefill_busy_fraction" => cands.iter().map(|c| c.report.prefill_busy_fraction).collect::<Vec<_>>(),
+        "decode_busy_fraction" => cands.iter().map(|c| c.report.decode_busy_fraction).collect::<Vec<_>>(),
         "decode_seqs_per_rank" => cands.iter().map(|c| c.report.decode_seqs_per_rank).collect::<Vec<_>>(),
     )?;
     out.write_table("candidates", &mut df)?;

@@ -1,0 +1,106 @@
+//! The one driver loop. An [`Environment`] supplies inputs in (time, sequence) order and
+//! carries out the unit's outputs (the simulator's virtual environment, the GPU engine, a
+//! replay of a recorded run); an [`Observer`] sees every input and output (records, logs).
+//! Every caller runs a unit through [`run`]; no environment has a serving loop of its own.
+
+use crate::time::Nanos;
+use crate::unit::ServingUnit;
+use crate::unit::io::{Input, Output};
+use crate::unit::shared::SharedCache;
+use std::fmt;
+
+/// Why a run stopped early.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunError {
+    /// Requests are waiting but nothing that could move them is scheduled.
+    Stuck {
+        at: Nanos,
+        pending: u64,
+        requests: Vec<u64>,
+    },
+    /// The environment failed (a device error, a replay that ran out of record).
+    Environment(String),
+    /// A consistency check failed: a bug, not bad input.
+    Invariant(String),
+}
+
+impl fmt::Display for RunError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RunError::Stuck {
+                at,
+                pending,
+                requests,
+            } => write!(
+                f,
+                "the run can make no progress at {at}: {pending} requests are waiting and nothing \
+                 is scheduled that could serve them (first: {requests:?})"
+            ),
+            RunError::Environment(e) => write!(f, "environment: {e}"),
+            RunError::Invariant(e) => write!(f, "invariant violated: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for RunError {}
+
+pub trait Environment {
+    /// The next input and its time (never earlier than the last), or None when the run is
+    /// over. An environment whose device finished a step writes its report into the unit's
+    /// buffer ([`ServingUnit::launch_mut`]) before returning [`Input::StepDone`]. An environment whose only remaining events cannot serve the unit's pending
+    /// requests returns [`RunError::Stuck`].
+    fn next(&mut self, unit: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError>;
+    /// Carries out `output`, emitted at `now`.
+    fn apply(
+        &mut self,
+        now: Nanos,
+        output: Output,
+        unit: &mut ServingUnit<'_>,
+        shared: &SharedCache,
+    ) -> Result<(), RunError>;
+}
+
+/// Sees the run go by; every method has an empty default.
+pub trait Observer {
+    #[inline]
+    fn on_input(&mut self, _now: Nanos, _input: &Input) {}
+    #[inline]
+    fn on_output(&mut self, _now: Nanos, _output: &Output, _unit: &ServingUnit<'_>) {}
+}
+
+/// Observes nothing.
+pub struct NoObserver;
+impl Observer for NoObserver {}
+
+/// What a finished run handled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunEnd {
+    /// The last input's time.
+    pub end: Nanos,
+    pub inputs: u64,
+}
+
+/// Runs `unit` in `env` until the environment has no more inputs.
+pub fn run<E: Environment, O: Observer>(
+    unit: &mut ServingUnit<'_>,
+    shared: &mut SharedCache,
+    env: &mut E,
+    observer: &mut O,
+) -> Result<RunEnd, RunError> {
+    let mut outputs = Vec::new();
+    let mut end = RunEnd {
+        end: Nanos::ZERO,
+        inputs: 0,
+    };
+    while let Some((now, input)) = env.next(unit)? {
+        end.end = now;
+        end.inputs += 1;
+        observer.on_input(now, &input);
+        unit.handle(now, input, shared, &mut outputs);
+        for output in outputs.drain(..) {
+            observer.on_output(now, &output, unit);
+            env.apply(now, output, unit, shared)?;
+        }
+    }
+    Ok(end)
+}

@@ -1,0 +1,281 @@
+//! The prefill pool of a serving unit (SPEC §6): the balancer and its engines, the jobs built
+//! at arrival that wait for an engine, and each engine's current plan.
+//!
+//! Pull order: when queued work can go to several engines, an idle engine is served before a
+//! busy one, then the engine with the most quota left (the least queued compute), ties by
+//! index. Busy engines still pull while under their quota, so a step that starts on a busy
+//! engine batches what it pulled; what they no longer hoard is work an idle engine could run now.
+
+use crate::content::KeyBuildHasher;
+use crate::engine::prefill_lb::Submitted;
+use crate::engine::{
+    PrefillBalancer, PrefillCostModel, PrefillEngine, PrefillJob, PrefillLbPolicy, PrefillPlan,
+    QueuedPrefill, StepPlan, StepReport,
+};
+use crate::error::ConfigError;
+use crate::ids::{EngineId, RequestId};
+use crate::time::Nanos;
+use crate::unit::config::PrefillPoolConfig;
+use std::collections::HashMap;
+
+/// Where a submitted request went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placed {
+    /// To this engine now.
+    Engine(u32),
+    /// Waiting in the balancer.
+    Queued,
+    /// The balancer's queue was full.
+    Rejected,
+}
+
+pub struct PrefillPool {
+    lb: PrefillBalancer,
+    engines: Vec<PrefillEngine>,
+    /// Each engine's current plan (always the prefill variant; stored as a [`StepPlan`]
+    /// because that is what a backend executes).
+    plans: Vec<StepPlan>,
+    reports: Vec<StepReport>,
+    /// When each engine's step in flight started.
+    started: Vec<Nanos>,
+    /// Jobs built at arrival, waiting for an engine.
+    waiting: HashMap<u64, PrefillJob, KeyBuildHasher>,
+    loads: Vec<f64>,
+    /// Engines that found nothing to pull in the current [`Self::next_puller`] pass.
+    dry: Vec<bool>,
+    cost: PrefillCostModel,
+    imbalance: f64,
+    least_loaded: bool,
+    pub(crate) finished: Vec<PrefillJob>,
+    /// The wake-up asked for and not yet delivered (None: none pending).
+    wake_at: Option<Nanos>,
+}
+
+impl PrefillPool {
+    pub fn new(cfg: &PrefillPoolConfig, cost: &PrefillCostModel) -> Result<Self, ConfigError> {
+        let lb = PrefillBalancer::new(cfg.lb.clone(), cfg.gpus, cfg.max_queued_requests as usize)?;
+        let n = cfg.gpus as usize;
+        let engines = (0..cfg.gpus)
+            .map(|i| {
+                PrefillEngine::new(
+                    EngineId(i),
+                    cfg.chunking.clone(),
+                    cost.clone(),
+                    cfg.expert_imbalance,
+                    cfg.max_jobs_per_engine as usize,
+                )
+            })
+            .collect();
+        Ok(PrefillPool {
+            lb,
+            engines,
+            plans: (0..cfg.gpus)
+                .map(|i| {
+                    StepPlan::Prefill(PrefillPlan {
+                        engine: EngineId(i),
+                        chunks: Vec::new(),
+                        expert_imbalance: 1.0,
+                    })
+                })
+                .collect(),
+            reports: vec![StepReport::default(); n],
+            started: vec![Nanos::ZERO; n],
+            waiting: HashMap::default(),
+            loads: vec![0.0; n],
+            dry: vec![false; n],
+            cost: cost.clone(),
+            imbalance: cfg.expert_imbalance,
+            least_loaded: matches!(cfg.lb, PrefillLbPolicy::LeastLoaded),
+            finished: Vec::new(),
+            wake_at: None,
+        })
+    }
+
+    pub fn engines(&self) -> usize {
+        self.engines.len()
+    }
+    pub fn engine(&self, e: usize) -> &PrefillEngine {
+        &self.engines[e]
+    }
+    pub fn plan(&self, e: usize) -> &PrefillPlan {
+        self.plans[e].as_prefill().expect("prefill plan")
+    }
+    pub fn report(&self, e: usize) -> &StepReport {
+        &self.reports[e]
+    }
+    /// The step to launch on engine `e` and the report to fill in.
+    pub fn launch_mut(&mut self, e: usize) -> (&mut StepPlan, &mut StepReport) {
+        (&mut self.plans[e], &mut self.reports[e])
+    }
+    pub fn started(&self, e: usize) -> Nanos {
+        self.started[e]
+    }
+    pub fn balancer(&self) -> &PrefillBalancer {
+        &self.lb
+    }
+    /// Requests waiting in the balancer plus jobs held by engines.
+    pub fn queued(&self) -> u64 {
+        self.lb.queued() as u64 + self.engines.iter().map(|e| e.jobs() as u64).sum::<u64>()
+    }
+    pub fn is_idle(&self) -> bool {
+        self.lb.queued() == 0
+            && self.waiting.is_empty()
+            && self.engines.iter().all(|e| e.jobs() == 0)
+    }
+
+    /// Hands request `job.request` (context `context_tokens`) to the balancer at `now`.
+    pub fn submit(&mut self, now: Nanos, job: PrefillJob, context_tokens: u32) -> Placed {
+        let compute_ns = PrefillEngine::job_ns(&self.cost, &job, self.imbalance);
+        let q = QueuedPrefill {
+            request: job.request,
+            context_tokens,
+            compute_ns,
+            queued_at: now,
+        };
+        let id = job.request.0;
+        self.waiting.insert(id, job);
+        if self.least_loaded {
+            for (l, e) in self.loads.iter_mut().zip(&self.engines) {
+                *l = e.remaining_ns();
+            }
+        }
+        match self.lb.submit(now, q, &self.loads) {
+            // A push balancer's choice that cannot take the job yet: it waits in the
+            // balancer's queue like any other, so the policy differs only in its choice.
+            Submitted::Routed(e, q) if !self.engines[e.0 as usize].has_room() => {
+                if self.lb.hold(q) {
+                    Placed::Queued
+                } else {
+                    self.waiting.remove(&id);
+                    Placed::Rejected
+                }
+            }
+            Submitted::Routed(e, _) => Placed::Engine(e.0),
+            Submitted::Queued => Placed::Queued,
+            Submitted::Rejected(_) => {
+                self.waiting.remove(&id);
+                Placed::Rejected
+            }
+        }
+    }
+
+    /// Moves request `i`'s job onto engine `e` (which has room); returns the bytes of cached
+    /// KV the job swaps in (the hit and the encoder-replayed blocks, both read from the store).
+    pub fn enqueue(&mut self, i: u64, e: usize) -> u64 {
+        let job = self
+            .waiting
+            .remove(&i)
+            .expect("a submitted request has its job");
+        let bytes = job.swap_in_bytes;
+        let taken = self.engines[e].enqueue(job);
+        debug_assert!(
+            taken.is_ok(),
+            "engines are only given work when they have room"
+        );
+        bytes
+    }
+
+    pub fn set_ready(&mut self, e: usize, i: u64) {
+        self.engines[e].set_ready(RequestId(i));
+    }
+
+    /// Starts a pull pass: every engine may be asked again.
+    pub fn begin_pulls(&mut self) -> bool {
+        if !self.lb.pulls() || self.lb.queued() == 0 {
+            return false;
+        }
+        self.dry.fill(false);
+        true
+    }
+
+    /// The next engine to pull (idle first, then the most quota left, then index) and the
+    /// request it gets; None when nothing more can be pulled in this pass.
+    pub fn next_pull(&mut self, now: Nanos) -> Option<(usize, QueuedPrefill)> {
+        while self.lb.queued() > 0 {
+            let mut best: Option<(bool, f64, usize)> = None;
+            for (e, eng) in self.engines.iter().enumerate() {
+                if self.dry[e] || !eng.has_room() {
+                    continue;
+                }
+                let key = (eng.busy(), eng.remaining_ns(), e);
+                // Strictly better only: engines are visited in index order, so ties keep the
+                // lower index.
+                let better = best.is_none_or(|(busy, load, _)| {
+                    (!key.0 && busy) || (key.0 == busy && key.1 < load)
+                });
+                if better {
+                    best = Some(key);
+                }
+            }
+            let (_, load, e) = best?;
+            match self.lb.pull(now, EngineId(e as u32), load) {
+                Some(q) => return Some((e, q)),
+                None => self.dry[e] = true,
+            }
+        }
+        None
+    }
+
+    /// After a pull pass: the time to wake up at when queued work is left that an idle engine
+    /// may take at the balancer's next round, if no wake-up is pending for it already.
+    pub fn wake_needed(&mut self) -> Option<Nanos> {
+        if self.lb.queued() == 0 {
+            return None;
+        }
+        let idle = self
+            .engines
+            .iter()
+            .any(|e| !e.busy() && e.jobs() == 0 && e.has_room());
+        let at = self.lb.next_round()?;
+        if !idle || self.wake_at.is_some_and(|w| w <= at) {
+            return None;
+        }
+        self.wake_at = Some(at);
+        Some(at)
+    }
+
+    pub fn woke(&mut self, now: Nanos) {
+        if self.wake_at.is_some_and(|w| w <= now) {
+            self.wake_at = None;
+        }
+    }
+
+    /// Plans engine `e`'s next step at `now`; true when there is one to launch.
+    pub fn plan_step(&mut self, now: Nanos, e: usize) -> bool {
+        let plan = self.plans[e].as_prefill_mut().expect("prefill plan");
+        let planned = self.engines[e].plan_step(now, plan);
+        if planned {
+            self.started[e] = now;
+        }
+        planned
+    }
+
+    /// Engine `e`'s step ended: its finished jobs are in [`Self::finished`].
+    pub fn complete_step(&mut self, e: usize) {
+        self.finished.clear();
+        let plan = self.plans[e].as_prefill().expect("prefill plan");
+        self.engines[e].complete_step(plan, &mut self.finished);
+    }
+
+    /// Each engine's tier (-1 without tiers).
+    pub fn engine_tiers(&self) -> Vec<i32> {
+        if !self.lb.pulls_by_tier() {
+            return vec![-1; self.engines.len()];
+        }
+        (0..self.engines.len())
+            .map(|e| self.lb.engine_tier(EngineId(e as u32)) as i32)
+            .collect()
+    }
+
+    pub fn check_idle(&self) -> Result<(), String> {
+        if self.is_idle() {
+            Ok(())
+        } else {
+            Err(format!(
+                "prefill work left over: {} queued in the balancer, {} jobs on engines",
+                self.lb.queued(),
+                self.engines.iter().map(|e| e.jobs()).sum::<usize>()
+            ))
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! The simulator's environment for a serving unit: a virtual clock (an event queue ordered by
+//! (time, sequence)), the cost model as the devices, the store cluster's reads, the links and
+//! the MoE skew model. It feeds the unit its inputs and carries out its outputs through the
+//! one driver loop ([`servelab_core::unit::run`]).
+
+pub mod links;
+pub mod moe;
+pub mod storage;
+
+use crate::cost::CostModel;
+use crate::events::EventQueue;
+use crate::service::ServiceConfig;
+use links::Links;
+use moe::MoeSkew;
+use servelab_core::engine::Backend;
+use servelab_core::unit::{
+    DeviceId, Environment, Input, Output, RunError, ServingUnit, SharedCache,
+};
+use servelab_core::{BlockKey, ConfigError, Nanos};
+use storage::StorageReads;
+
+pub struct VirtualEnv {
+    queue: EventQueue<Input>,
+    backend: CostModel,
+    storage: StorageReads,
+    links: Links,
+    moe: MoeSkew,
+    series_interval: Nanos,
+    kv_bytes_per_token: u64,
+    block_tokens: u32,
+    swa_state_bytes: u64,
+    requests: usize,
+}
+
+impl VirtualEnv {
+    /// The environment of `cfg` for a unit whose requests arrive at `arrivals` (sorted).
+    pub fn new(
+        cfg: &ServiceConfig,
+        backend: CostModel,
+        first_arrival: Option<Nanos>,
+        requests: usize,
+        seed: u64,
+    ) -> Result<Self, ConfigError> {
+        let c = &cfg.constants;
+        let prefill_machines = cfg.prefill.gpus.div_ceil(cfg.prefill.gpus_per_machine);
+        let mut queue = EventQueue::new();
+        // Arrivals are fed one at a time so the queue holds only what is in flight.
+        if let Some(t) = first_arrival {
+            queue.push(t, Input::Arrival(0));
+            queue.push(cfg.series_interval, Input::Tick);
+        }
+        Ok(VirtualEnv {
+            queue,
+            backend,
+            storage: StorageReads::new(&cfg.fetch, &cfg.store, seed),
+            links: Links::new(&cfg.links, prefill_machines),
+            moe: MoeSkew::new(&cfg.moe, cfg.prefill.gpus, cfg.decode.groups, seed)?,
+            series_interval: cfg.series_interval,
+            kv_bytes_per_token: u64::from(c.kv_bytes_per_token),
+            block_tokens: c.block_tokens,
+            swa_state_bytes: c.swa_state_bytes(),
+            requests,
+        })
+    }
+
+    /// Inputs handled so far.
+    pub fn events(&self) -> u64 {
+        self.queue.popped()
+    }
+    pub fn now(&self) -> Nanos {
+        self.queue.now()
+    }
+    pub fn moe(&self) -> &MoeSkew {
+        &self.moe
+    }
+
+    fn launch(&mut self, device: DeviceId, start: Nanos, unit: &mut ServingUnit<'_>) {
+        let (plan, report) = unit.launch_mut(device);
+        let extra = self.moe.decorate(start, device, plan);
+        self.backend.execute(start, plan, report);
+        report.duration += extra;
+        let end = start + report.duration;
+        self.queue.push(end, Input::StepDone(device));
+    }
+
+    fn fetch(
+        &mut self,
+        now: Nanos,
+        i: u32,
+        tokens: u32,
+        unit: &ServingUnit<'_>,
+        sh: &SharedCache,
+    ) -> Nanos {
+        let bs = self.block_tokens;
+        let keys = unit.blocks_within(i as usize, tokens.div_ceil(bs) * bs);
+        let fallback = BlockKey(unit.requests()[i as usize].id.0);
+        let bytes = u64::from(tokens) * self.kv_bytes_per_token;
+        self.storage.fetch(now, &sh.store, keys, fallback, bytes)
+    }
+}
+
+impl Environment for VirtualEnv {
+    fn next(&mut self, unit: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError> {
+        let Some((now, input)) = self.queue.pop() else {
+            return Ok(None);
+        };
+        match input {
+            Input::Arrival(i) => {
+                let next = i as usize + 1;
+                if next < self.requests {
+                    let at = unit.requests()[next].arrival;
+                    self.queue.push(at, Input::Arrival(next as u32));
+                }
+            }
+            Input::Tick => {
+                if !self.queue.is_empty() {
+                    self.queue.push(now + self.series_interval, Input::Tick);
+                } else if unit.pending() > 0 {
+                    return Err(RunError::Stuck {
+                        at: now,
+                        pending: unit.pending(),
+                        requests: unit.pending_requests(10),
+                    });
+                }
+            }
+            _ => {}
+        }
+        Ok(Some((now, input)))
+    }
+
+    fn apply(
+        &mut self,
+        now: Nanos,
+        output: Output,
+        unit: &mut ServingUnit<'_>,
+        sh: &SharedCache,
+    ) -> Result<(), RunError> {
+        match output {
+            Output::Launch { device, start } => self.launch(device, start, unit),
+            Output::Fetch {
+                request,
+                reused_tokens,
+                swa_pull,
+                ..
+            } => {
+                let mut ready = now;
+                if reused_tokens > 0 {
+                    ready = ready.max(self.fetch(now, request, reused_tokens, unit, sh));
+                }
+                if swa_pull {
+                    ready = ready.max(now + self.links.swa_pull(self.swa_state_bytes));
+                }
+                self.queue.push(ready, Input::PrefixReady(request));
+            }
+            Output::Handoff {
+                request,
+                machine,
+                bytes,
+            } => {
+                let at = self.links.handoff(now, machine, bytes);
+                self.queue.push(at, Input::HandoffDone(request));
+            }
+            Output::WakeAt(at) => self.queue.push(at, Input::WakeUp),
+            Output::Finished { .. } => {}
+        }
+        Ok(())
+    }
+}
