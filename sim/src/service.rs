@@ -71,6 +71,25 @@ impl Default for LinkConfig {
     }
 }
 
+/// How a session's turns arrive.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Arrivals {
+    /// At the times in the workload: a turn arrives whether or not the reply to the previous
+    /// one has finished, so an overloaded unit sees its load run away.
+    #[default]
+    OpenLoop,
+    /// A session's next turn arrives when the previous reply ended (completed or rejected) plus
+    /// the user's think time. The think time is recovered from the workload: its gap between
+    /// the two turns minus the reply time it assumed (`ttft` + output ÷ `decode_tokens_per_s`,
+    /// the generator's pacing), never below zero. First turns and requests outside a session
+    /// arrive at their own times.
+    ClosedLoop {
+        ttft: Nanos,
+        decode_tokens_per_s: f64,
+    },
+}
+
 /// Where the MoE part of a step's time comes from.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
@@ -106,6 +125,7 @@ pub struct ServiceConfig {
     pub swap_in: SwapIn,
     pub acceptance: AcceptanceModel,
     pub moe: MoeImbalance,
+    pub arrivals: Arrivals,
     /// Requests arriving before this are simulated but not measured.
     pub warmup: Nanos,
     /// End of the measured window (default: the last arrival). Requests arriving after it, and
@@ -137,6 +157,7 @@ impl Default for ServiceConfig {
             swap_in: SwapIn::Overlapped,
             acceptance: AcceptanceModel::default(),
             moe: MoeImbalance::Fixed,
+            arrivals: Arrivals::OpenLoop,
             warmup: Nanos::from_secs(60),
             measure_until: None,
             series_interval: Nanos::from_secs(10),
@@ -186,6 +207,17 @@ impl ServiceConfig {
             if !(v.is_finite() && v > 0.0) {
                 return Err(ConfigError::invalid(f, "must be positive"));
             }
+        }
+        if let Arrivals::ClosedLoop {
+            decode_tokens_per_s,
+            ..
+        } = self.arrivals
+            && !(decode_tokens_per_s.is_finite() && decode_tokens_per_s > 0.0)
+        {
+            return Err(ConfigError::invalid(
+                "arrivals.decode_tokens_per_s",
+                "must be positive",
+            ));
         }
         if self.fetch.stripes == 0 {
             return Err(ConfigError::invalid("fetch.stripes", "must be positive"));
@@ -282,8 +314,7 @@ pub fn run_with_profile(
         cfg.swap_in,
         seed,
     );
-    let first = requests.first().map(|r| r.arrival);
-    let mut env = VirtualEnv::new(cfg, backend, first, requests.len(), seed)?;
+    let mut env = VirtualEnv::new(cfg, backend, requests, seed)?;
     servelab_core::unit::run(&mut unit, &mut shared, &mut env, &mut NoObserver)?;
     let mut report = unit.finish(&shared, env.now(), env.events())?;
     report.moe_reassignments = env.moe().reassignments;

@@ -9,6 +9,7 @@ pub mod econ;
 pub mod eplb;
 pub mod plan;
 pub mod service;
+pub mod trace_source;
 
 pub const KINDS: &[&str] = &[
     "cache-policy",

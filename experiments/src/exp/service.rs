@@ -1,13 +1,14 @@
 //! One 64 + 64 unit under a mixed workload, side by side with SPEC §11.
 
 use super::RunContext;
+use super::trace_source::TraceFile;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
 use anyhow::{Result, anyhow};
 use polars::prelude::*;
 use serde::Deserialize;
 use servelab_sim::service::{Latencies, ServiceConfig, ServiceReport, run as simulate};
-use servelab_workloads::generate::{WorkloadConfig, generate};
+use servelab_workloads::generate::WorkloadConfig;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -15,15 +16,25 @@ struct Config {
     #[allow(dead_code)]
     experiment: ExperimentHeader,
     service: ServiceConfig,
-    workload: WorkloadConfig,
+    /// Generated requests, or
+    #[serde(default)]
+    workload: Option<WorkloadConfig>,
+    /// a real trace.
+    #[serde(default)]
+    trace: Option<TraceFile>,
 }
 
 pub fn run(ctx: &RunContext) -> Result<()> {
     let cfg: Config = ctx.config.parse()?;
     let path = ctx.config.path.display().to_string();
     let seed = ctx.seed();
-    let trace = generate(&cfg.workload, seed, cfg.service.constants.block_tokens)
-        .map_err(|e| anyhow!("{path}: {e}"))?;
+    let trace = super::trace_source::load(
+        cfg.workload.as_ref(),
+        cfg.trace.as_ref(),
+        &ctx.config.path,
+        seed,
+        cfg.service.constants.block_tokens,
+    )?;
     // Wall time goes to stdout only: output files stay a pure function of config and seed.
     let started = std::time::Instant::now();
     let rep = simulate(&cfg.service, &trace.requests, seed).map_err(|e| anyhow!("{path}: {e}"))?;

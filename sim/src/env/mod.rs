@@ -3,6 +3,7 @@
 //! the MoE skew model. It feeds the unit its inputs and carries out its outputs through the
 //! one driver loop ([`servelab_core::unit::run`]).
 
+pub mod arrivals;
 pub mod links;
 pub mod moe;
 pub mod storage;
@@ -10,6 +11,7 @@ pub mod storage;
 use crate::cost::CostModel;
 use crate::events::EventQueue;
 use crate::service::ServiceConfig;
+use arrivals::ArrivalSource;
 use links::Links;
 use moe::MoeSkew;
 use servelab_core::engine::Backend;
@@ -29,24 +31,24 @@ pub struct VirtualEnv {
     kv_bytes_per_token: u64,
     block_tokens: u32,
     swa_state_bytes: u64,
-    requests: usize,
+    arrivals: ArrivalSource,
 }
 
 impl VirtualEnv {
-    /// The environment of `cfg` for a unit whose requests arrive at `arrivals` (sorted).
+    /// The environment of `cfg` for a unit serving `requests` (sorted by arrival).
     pub fn new(
         cfg: &ServiceConfig,
         backend: CostModel,
-        first_arrival: Option<Nanos>,
-        requests: usize,
+        requests: &[servelab_core::Request],
         seed: u64,
     ) -> Result<Self, ConfigError> {
         let c = &cfg.constants;
         let prefill_machines = cfg.prefill.gpus.div_ceil(cfg.prefill.gpus_per_machine);
         let mut queue = EventQueue::new();
+        let mut arrivals = ArrivalSource::new(&cfg.arrivals, requests);
         // Arrivals are fed one at a time so the queue holds only what is in flight.
-        if let Some(t) = first_arrival {
-            queue.push(t, Input::Arrival(0));
+        if let Some((t, i)) = arrivals.next_open(requests) {
+            queue.push(t, Input::Arrival(i));
             queue.push(cfg.series_interval, Input::Tick);
         }
         Ok(VirtualEnv {
@@ -59,7 +61,7 @@ impl VirtualEnv {
             kv_bytes_per_token: u64::from(c.kv_bytes_per_token),
             block_tokens: c.block_tokens,
             swa_state_bytes: c.swa_state_bytes(),
-            requests,
+            arrivals,
         })
     }
 
@@ -105,11 +107,9 @@ impl Environment for VirtualEnv {
             return Ok(None);
         };
         match input {
-            Input::Arrival(i) => {
-                let next = i as usize + 1;
-                if next < self.requests {
-                    let at = unit.requests()[next].arrival;
-                    self.queue.push(at, Input::Arrival(next as u32));
+            Input::Arrival(i) if self.arrivals.is_open(i) => {
+                if let Some((at, next)) = self.arrivals.next_open(unit.requests()) {
+                    self.queue.push(at, Input::Arrival(next));
                 }
             }
             Input::Tick => {
@@ -161,7 +161,11 @@ impl Environment for VirtualEnv {
                 self.queue.push(at, Input::HandoffDone(request));
             }
             Output::WakeAt(at) => self.queue.push(at, Input::WakeUp),
-            Output::Finished { .. } => {}
+            Output::Finished { request, .. } => {
+                if let Some((at, next)) = self.arrivals.follow(now, request, unit.requests()) {
+                    self.queue.push(at, Input::Arrival(next));
+                }
+            }
         }
         Ok(())
     }
