@@ -4,28 +4,31 @@
 # Runs experiments/configs/service.toml REPS times with each BINARY, alternating binaries so host
 # drift hits them alike, pinned to one core when taskset exists, and prints one tab-separated row
 # per run: binary, rep, the ratio servelab prints (simulation only), process wall/user/sys
-# seconds. Then checks that every run's output folder is byte-identical to the first one's
-# (manifest.json aside: it names the commit and binary).
+# seconds. Then checks that every run of one binary gives byte-identical output folders
+# (manifest.json aside: it names the commit and binary), and says whether the binaries agree
+# with each other (they differ when a change moved results on purpose).
 #
-#   experiments/scripts/sim-speed.sh [-n REPS] [-c CORE] [-w] BINARY...
+#   experiments/scripts/sim-speed.sh [-n REPS] [-c CORE] [-w] [-f CONFIG] BINARY...
 #
 # -w first runs the first binary once untimed (on VMs whose memory grows on first touch).
 # Binaries need no toolchain: build here, copy (stripped) to another host, run this there.
 set -euo pipefail
-reps=3 core=0 warm=0
-while getopts "n:c:w" opt; do
+reps=3 core=0 warm=0 config=experiments/configs/service.toml
+while getopts "n:c:wf:" opt; do
   case $opt in
     n) reps=$OPTARG ;;
     c) core=$OPTARG ;;
     w) warm=1 ;;
-    *) echo "usage: $0 [-n REPS] [-c CORE] [-w] BINARY..." >&2; exit 2 ;;
+    f) config=$OPTARG ;;
+    *) echo "usage: $0 [-n REPS] [-c CORE] [-w] [-f CONFIG] BINARY..." >&2; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
 if [[ $# -eq 0 ]]; then
-  echo "usage: $0 [-n REPS] [-c CORE] [-w] BINARY..." >&2
+  echo "usage: $0 [-n REPS] [-c CORE] [-w] [-f CONFIG] BINARY..." >&2
   exit 2
 fi
+config=$(realpath "$config")
 bins=()
 for b in "$@"; do
   if [[ ! -x $b ]]; then
@@ -36,7 +39,6 @@ for b in "$@"; do
 done
 set -- "${bins[@]}"
 cd "$(dirname "$0")/../.."
-config=experiments/configs/service.toml
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 pin=()
@@ -62,7 +64,6 @@ if [[ $warm -eq 1 ]]; then
   "${pin[@]}" "$1" run "$config" --quiet --out "$out/warm" >/dev/null
 fi
 printf 'binary\trep\tratio\twall_s\tuser_s\tsys_s\n'
-first=
 for rep in $(seq 1 "$reps"); do
   k=0
   for bin in "$@"; do
@@ -71,14 +72,22 @@ for rep in $(seq 1 "$reps"); do
     dir="$out/binary$k-rep$rep"
     row=$(run_one "$bin" "$dir") || exit 1
     printf '%s\t%s\t%s\n' "$bin" "$rep" "$row"
-    first=${first:-$dir}
   done
 done
-for d in "$out"/*/; do
-  d=${d%/}
-  if ! diff -rq --exclude manifest.json "$first" "$d" >/dev/null; then
-    echo "outputs differ: $first vs $d" >&2
-    exit 1
+same() { diff -rq --exclude manifest.json --exclude summary.json "$1" "$2" >/dev/null; }
+for k in $(seq 1 $#); do
+  for rep in $(seq 2 "$reps"); do
+    if ! same "$out/binary$k-rep1" "$out/binary$k-rep$rep"; then
+      echo "outputs differ between runs of binary $k: not deterministic" >&2
+      exit 1
+    fi
+  done
+done
+echo "# each binary's outputs byte-identical across its runs (manifest.json aside)"
+for k in $(seq 2 $#); do
+  if same "$out/binary1-rep1" "$out/binary$k-rep1"; then
+    echo "# binary $k: outputs byte-identical to binary 1's"
+  else
+    echo "# binary $k: outputs differ from binary 1's (files: $(diff -rq --exclude manifest.json "$out/binary1-rep1" "$out/binary$k-rep1" | wc -l))"
   fi
 done
-echo "# outputs byte-identical across all runs (manifest.json aside)"

@@ -383,6 +383,37 @@ mod tests {
         );
     }
 
+    /// Strict mode: a tier whose requests are still queued keeps an engine in the next round
+    /// although nothing new was submitted to it (the old demand was last round's submissions
+    /// only, which gave such a tier no engine and, without stealing, no one to pull it).
+    #[test]
+    fn a_tier_with_queued_work_keeps_an_engine() {
+        let mut b = PrefillBalancer::new(tiered(false), 4, 100).unwrap();
+        b.submit(Nanos(0), q(1, 100_000, 10.0, 0), &[]);
+        b.submit(Nanos(100), q(2, 1_000, 1.0, 100), &[]);
+        assert_eq!(b.tier_engines()[2], 4, "round 2: only tier 2 had demand");
+        // Round 3: tier 0 submitted, tier 2 submitted nothing but still holds request 1.
+        assert!(b.pull(Nanos(200), EngineId(0), 0.0).is_some());
+        let n = b.tier_engines();
+        assert!(n[0] >= 1 && n[2] >= 1, "{n:?}");
+    }
+
+    /// Push policies hold what their engine could not take; the first engine with room pulls it.
+    #[test]
+    fn push_policies_hold_and_any_engine_pulls() {
+        let mut rr = PrefillBalancer::new(PrefillLbPolicy::RoundRobin, 2, 2).unwrap();
+        assert!(!rr.pulls());
+        assert!(rr.hold(q(7, 1, 1.0, 0)));
+        assert!(rr.hold(q(8, 1, 1.0, 0)));
+        assert!(!rr.hold(q(9, 1, 1.0, 0)), "the queue holds two");
+        assert!(rr.pulls());
+        assert_eq!(rr.queued(), 2);
+        assert_eq!(rr.pull(Nanos(1), EngineId(1), 1e9).unwrap().request, RequestId(7));
+        assert_eq!(rr.pull(Nanos(1), EngineId(0), 0.0).unwrap().request, RequestId(8));
+        assert!(rr.pull(Nanos(1), EngineId(0), 0.0).is_none());
+        assert_eq!(rr.next_round(), None);
+    }
+
     #[test]
     fn push_policies_and_bounds() {
         let mut rr = PrefillBalancer::new(PrefillLbPolicy::RoundRobin, 3, 10).unwrap();
