@@ -5,6 +5,7 @@ pub mod cost;
 pub mod dspark;
 pub mod events;
 pub mod metrics;
+pub mod mrc;
 pub mod profile;
 pub mod replay;
 pub mod service;
