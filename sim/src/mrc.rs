@@ -439,7 +439,11 @@ impl OnePass {
         // are looked up by no block and never hit, but they count as input. Sampled runs count
         // them when a per-request pseudo key is kept, so the ratio estimate stays unbiased.
         let covered = (bs * self.keys.len() as u64).min(len);
-        if covered < len && self.sampler.keeps(BlockKey(hash2(req.id.0, Self::UNCOVERED_SALT))) {
+        if covered < len
+            && self
+                .sampler
+                .keeps(BlockKey(hash2(req.id.0, Self::UNCOVERED_SALT)))
+        {
             b.counted_tokens += len - covered;
         }
         for i in 0..self.keys.len() {
@@ -454,7 +458,7 @@ impl OnePass {
             // block at the end of the context.
             self.keys.clear();
             self.keys.extend_from_slice(req.output_blocks());
-            if req.context_tokens() % self.block_tokens != 0 {
+            if !req.context_tokens().is_multiple_of(self.block_tokens) {
                 self.keys.extend(req.key_at(req.context_tokens()));
             }
             for i in 0..self.keys.len() {
@@ -931,7 +935,13 @@ mod tests {
             .map(|i| {
                 let x = mix64(i);
                 // Chain index over many distinct documents, so distances span thousands.
-                ((x % 400) as usize, (x >> 20) as u32 % 4000, 0, (x >> 40) as u8, 10)
+                (
+                    (x % 400) as usize,
+                    (x >> 20) as u32 % 4000,
+                    0,
+                    (x >> 40) as u8,
+                    10,
+                )
             })
             .collect();
         // Documents: the five chains of `trace`, but give each document index its own content.

@@ -41,7 +41,10 @@ fn assert_point(
     let all = at(&c.all);
     assert_eq!(all.hit_tokens, rep.hit_tokens, "{what}: hit tokens");
     assert_eq!(all.hit_blocks, rep.block_hits, "{what}: hit blocks");
-    assert_eq!(c.all.counted_tokens, rep.input_tokens, "{what}: input tokens");
+    assert_eq!(
+        c.all.counted_tokens, rep.input_tokens,
+        "{what}: input tokens"
+    );
     assert_eq!(c.all.counted_blocks, rep.blocks, "{what}: blocks");
     assert_eq!(all.token_hit_rate, rep.token_hit_rate, "{what}: token rate");
     assert_eq!(all.block_hit_rate, rep.block_hit_rate, "{what}: block rate");
@@ -84,7 +87,10 @@ fn check_everywhere(t: &Trace, cache_outputs: bool) -> Curves {
         prev = Some(rep.hit_tokens);
     }
     // The check is only worth something if the curve actually moves over the grid.
-    assert!(rising >= 3, "the capacity curve rose at only {rising} grid points");
+    assert!(
+        rising >= 3,
+        "the capacity curve rose at only {rising} grid points"
+    );
     let steps: Vec<Nanos> = c.all.reuse_times().filter(|r| r.0 > 0).collect();
     assert!(steps.len() > 10, "{} distinct reuse times", steps.len());
     let mut ttls: Vec<Nanos> = log_grid(c.all.max_reuse().0 / 1_000_000 + 2, 4)
@@ -208,7 +214,11 @@ fn mooncake_slice_at_128_tokens_with_outputs_equals_point_replays() {
 
 /// Largest and mean absolute difference of two curves' token hit rates on a grid, and where the
 /// largest is.
-fn error_on(grid: &[u64], exact: impl Fn(u64) -> f64, sampled: impl Fn(u64) -> f64) -> (f64, f64, u64) {
+fn error_on(
+    grid: &[u64],
+    exact: impl Fn(u64) -> f64,
+    sampled: impl Fn(u64) -> f64,
+) -> (f64, f64, u64) {
     let (mut worst, mut at, mut sum) = (0f64, 0, 0f64);
     for &x in grid {
         let d = (exact(x) - sampled(x)).abs();
@@ -245,7 +255,10 @@ fn mooncake_slice_sampled_is_close() {
         |c| sampled.at_capacity(&sampled.all, c).token_hit_rate,
     );
     println!("capacity: max {worst:.4} at {at} blocks, mean {mean:.4}");
-    assert!(worst < MAX_ERROR && mean < MEAN_ERROR, "capacity curve: max {worst}, mean {mean}");
+    assert!(
+        worst < MAX_ERROR && mean < MEAN_ERROR,
+        "capacity curve: max {worst}, mean {mean}"
+    );
     let grid = log_grid(exact.all.max_reuse().0 / 1_000_000 + 2, 10);
     let (worst, mean, at) = error_on(
         &grid,
@@ -253,7 +266,10 @@ fn mooncake_slice_sampled_is_close() {
         |ms| sampled.all.at_ttl(Nanos::from_millis(ms)).token_hit_rate,
     );
     println!("ttl: max {worst:.4} at {at} ms, mean {mean:.4}");
-    assert!(worst < MAX_ERROR && mean < MEAN_ERROR, "TTL curve: max {worst}, mean {mean}");
+    assert!(
+        worst < MAX_ERROR && mean < MEAN_ERROR,
+        "TTL curve: max {worst}, mean {mean}"
+    );
 }
 
 /// Measured on this slice (2026-12-01): max 3.8 pp on both curves, mean 2.5 pp (capacity) and
