@@ -6,6 +6,7 @@ pub mod dspark;
 pub mod env;
 pub mod events;
 pub mod metrics;
+pub mod mrc;
 pub mod profile;
 pub mod replay;
 pub mod service;
