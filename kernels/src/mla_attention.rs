@@ -49,6 +49,10 @@ pub struct MlaConfig {
     pub m_tiles: usize,
     /// CTAs per SM asked of the compiler (`__launch_bounds__`).
     pub min_blocks: usize,
+    /// Q's MMA fragments held in registers for the whole split (one m-tile only) instead of
+    /// re-read from shared memory for every key tile.
+    #[serde(default)]
+    pub q_in_registers: bool,
 }
 
 impl MlaConfig {
@@ -114,6 +118,9 @@ impl MlaConfig {
         ensure((1..=4).contains(&self.min_blocks), || {
             "min_blocks must be in 1..=4".into()
         })?;
+        ensure(!self.q_in_registers || self.m_tiles == 1, || {
+            "Q in registers takes one m-tile".into()
+        })?;
         // f32 output accumulators per lane: m_tiles x 16 rows x d_v / warps dims / 32 lanes
         let acc = self.m_tiles * 16 * shape.d_v / self.warps / 32;
         ensure(acc <= 128, || {
@@ -143,6 +150,7 @@ impl MlaConfig {
             ("MINB", self.min_blocks),
             ("ROWP", Self::row(shape.d_qk)),
             ("PROWP", self.p_row()),
+            ("QREG", self.q_in_registers as usize),
         ]
     }
 }
@@ -172,6 +180,7 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         stages: 2,
         m_tiles: 1,
         min_blocks: 1,
+        q_in_registers: false,
     };
     let narrow = MlaConfig {
         keys_per_tile: 32,
@@ -593,6 +602,17 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
             stages,
             m_tiles,
             min_blocks: 1,
+            q_in_registers: false,
+        })
+    };
+    let qreg = |keys_per_tile, warps, min_blocks| {
+        Some(MlaConfig {
+            keys_per_tile,
+            warps,
+            stages: 2,
+            m_tiles: 1,
+            min_blocks,
+            q_in_registers: true,
         })
     };
     // Ragged lengths: a single key, lengths inside and at block ends, tiles crossing blocks
@@ -616,6 +636,8 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         (spec, &decode_lens, &ones, c(32, 4, 4, 1), 384),
         (spec, &verify_lens, &verify_q, c(64, 4, 2, 1), 512),
         (spec, &verify_lens, &verify_q, c(64, 8, 2, 2), 2048),
+        (spec, &decode_lens, &ones, qreg(64, 8, 1), 256),
+        (spec, &decode_lens, &ones, qreg(32, 4, 2), 96),
         // 8 heads per latent: two tokens per m-tile; two latent heads
         (
             PagedAttentionShape {

@@ -11,19 +11,23 @@ use super::ceilings::Ceilings;
 use super::{Rate, gbps};
 use crate::timing::{Timing, time_ms};
 
-/// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM).
-/// Configurations the shape does not take (shared memory, registers) are skipped.
-const SWEEP: [(usize, usize, usize, usize, usize); 10] = [
-    (64, 8, 2, 1, 1),
-    (32, 4, 2, 1, 2),
-    (32, 4, 3, 1, 1),
-    (32, 4, 4, 1, 1),
-    (64, 4, 2, 1, 1),
-    (64, 8, 2, 2, 1),
-    (64, 8, 2, 3, 1),
-    (32, 4, 2, 2, 1),
-    (32, 4, 3, 2, 1),
-    (32, 4, 4, 2, 1),
+/// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM, Q in
+/// registers). Configurations the shape does not take (shared memory, registers) are skipped.
+const SWEEP: [(usize, usize, usize, usize, usize, bool); 14] = [
+    (64, 8, 2, 1, 1, false),
+    (64, 8, 2, 1, 1, true),
+    (32, 4, 2, 1, 2, false),
+    (32, 4, 2, 1, 2, true),
+    (32, 4, 3, 1, 1, false),
+    (32, 4, 4, 1, 1, false),
+    (32, 4, 4, 1, 1, true),
+    (64, 4, 2, 1, 1, false),
+    (64, 8, 2, 2, 1, false),
+    (64, 8, 2, 3, 1, false),
+    (32, 4, 2, 2, 1, false),
+    (32, 4, 3, 2, 1, false),
+    (32, 4, 4, 2, 1, false),
+    (32, 2, 2, 1, 2, false),
 ];
 
 /// Decode (or verification with `query_tokens` per sequence) over `seqs` sequences of
@@ -60,13 +64,14 @@ pub fn measure_mla_decode(
         .ok_or_else(|| KernelError::shape(format!("no MLA tiles for {shape:?}")))?;
     let mut configs = vec![default];
     if sweep {
-        for (keys_per_tile, warps, stages, m_tiles, min_blocks) in SWEEP {
+        for (keys_per_tile, warps, stages, m_tiles, min_blocks, q_in_registers) in SWEEP {
             let c = MlaConfig {
                 keys_per_tile,
                 warps,
                 stages,
                 m_tiles,
                 min_blocks,
+                q_in_registers,
             };
             if !configs.contains(&c) && c.validate_for(&shape).is_ok() {
                 configs.push(c);
@@ -78,6 +83,7 @@ pub fn measure_mla_decode(
     let mut best: Option<Best> = None;
     let mut default_row: Option<(usize, Timing, (i32, i32))> = None;
     let mut tried = Vec::new();
+    let mut trials: Vec<String> = Vec::new();
     for (ci, cfg) in configs.iter().enumerate() {
         att.set_config(Some(*cfg))?;
         let rule = att.default_tokens_per_split(gpu, &d_rows)?;
@@ -99,6 +105,16 @@ pub fn measure_mla_decode(
                 )
             })?;
             tried.push((tps, *cfg));
+            trials.push(format!(
+                "{}x{}x{}x{}{}{} @{tps}: {:.0}",
+                cfg.keys_per_tile,
+                cfg.warps,
+                cfg.stages,
+                cfg.m_tiles,
+                if cfg.min_blocks > 1 { "/2" } else { "" },
+                if cfg.q_in_registers { "Q" } else { "" },
+                gbps(kv_bytes, &t)
+            ));
             if ci == 0 && tps == rule {
                 default_row = Some((tps, t, resources));
             }
@@ -140,14 +156,16 @@ pub fn measure_mla_decode(
         unit: "GB/s",
         ratio: Some(rate / ceilings.copy),
         note: format!(
-            "KV bytes read; {}; best tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}",
+            "KV bytes read; {}; best tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, Q in registers {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial (keys x warps x stages x m-tiles[/CTAs per SM][Q] @tokens per split: GB/s): {}",
             ceilings.note(rate),
             cfg.keys_per_tile,
             cfg.warps,
             cfg.stages,
             cfg.m_tiles,
             cfg.min_blocks,
-            configs.len()
+            cfg.q_in_registers,
+            configs.len(),
+            trials.join(", ")
         ),
     })
 }

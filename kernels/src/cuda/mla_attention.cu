@@ -38,6 +38,13 @@
 #ifndef MINB
 #define MINB 1
 #endif
+// Independent S accumulators per warp: enough MMA chains in flight at any m-tile count.
+#define KACC ((MT * NKT) >= 4 ? 1 : 4 / (MT * NKT))
+// QREG (MT == 1 only): Q's A fragments stay in registers for the whole split instead of being
+// re-read from shared memory for every key tile (each warp reads all of Q once per tile).
+#ifndef QREG
+#define QREG 0
+#endif
 
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     unsigned int a;
@@ -137,6 +144,14 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     const unsigned int qs_s = smem_addr(qs);
     const unsigned int tiles_s = smem_addr(tiles);
     const unsigned int ps_s = smem_addr(ps);
+#if QREG
+    __syncthreads();
+    unsigned int qf[KSTEPS_QK][4];
+#pragma unroll
+    for (int k = 0; k < KSTEPS_QK; ++k)
+        ldsm_x4(qs_s + ((rr + 8 * (mi & 1)) * ROWP + 16 * k + 8 * (mi >> 1)) * 2, qf[k][0], qf[k][1], qf[k][2],
+                qf[k][3]);
+#endif
 
     // A tile starts inside one pool block and, as TK <= block_size, ends in it or the next.
     auto issue = [&](int ts, int stage) {
@@ -198,52 +213,63 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         const int tb = s0 + it * TK;
         const int kw = warp * KPW;  // this warp's first key in the tile
 
-        // S = Q · Kᵀ for this warp's KPW keys, every row.
+        // S = Q · Kᵀ for this warp's KPW keys, every row. The k-steps rotate over KACC
+        // independent accumulators: one chain of 36 dependent MMAs per tile would make the
+        // product wait on MMA latency rather than throughput.
+        float sa[KACC][MT][NKT][4];
+#pragma unroll
+        for (int a = 0; a < KACC; ++a)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NKT; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) sa[a][mt][n][e] = 0.f;
+#if NKT == 1
+        unsigned int bq[4];
+#endif
+#pragma unroll
+        for (int k = 0; k < KSTEPS_QK; ++k) {
+            unsigned int b[NKT][2];
+#if NKT == 1
+            // One ldmatrix.x4 gives the B fragments of 8 keys for two k-steps (32 dims).
+            if ((k & 1) == 0) ldsm_x4(buf + ((kw + rr) * ROWP + 16 * k + 8 * mi) * 2, bq[0], bq[1], bq[2], bq[3]);
+            b[0][0] = bq[2 * (k & 1)];
+            b[0][1] = bq[2 * (k & 1) + 1];
+#else
+#pragma unroll
+            for (int n = 0; n < NKT; n += 2)
+                ldsm_x4(buf + ((kw + n * 8 + rr + 8 * (mi >> 1)) * ROWP + 16 * k + 8 * (mi & 1)) * 2, b[n][0],
+                        b[n][1], b[n + 1][0], b[n + 1][1]);
+#endif
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if (mt * 16 < nrow) {
+#if QREG
+                    const unsigned int a0 = qf[k][0], a1 = qf[k][1], a2 = qf[k][2], a3 = qf[k][3];
+#else
+                    unsigned int a0, a1, a2, a3;
+                    ldsm_x4(qs_s + ((mt * 16 + rr + 8 * (mi & 1)) * ROWP + 16 * k + 8 * (mi >> 1)) * 2, a0, a1,
+                            a2, a3);
+#endif
+#pragma unroll
+                    for (int n = 0; n < NKT; ++n)
+                        mma16816(sa[k % KACC][mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+                }
+            }
+        }
         float s[MT][NKT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int n = 0; n < NKT; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
-#if NKT == 1
-        // One ldmatrix.x4 gives the B fragments of 8 keys for two k-steps (32 dims).
+                for (int e = 0; e < 4; ++e) {
+                    float v = sa[0][mt][n][e];
 #pragma unroll
-        for (int k2 = 0; k2 < KSTEPS_QK / 2; ++k2) {
-            unsigned int b00, b01, b10, b11;
-            ldsm_x4(buf + ((kw + rr) * ROWP + 32 * k2 + 8 * mi) * 2, b00, b01, b10, b11);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (mt * 16 < nrow) {
-                    unsigned int a0, a1, a2, a3;
-                    const int qr = mt * 16 + rr + 8 * (mi & 1);
-                    ldsm_x4(qs_s + (qr * ROWP + 32 * k2 + 8 * (mi >> 1)) * 2, a0, a1, a2, a3);
-                    mma16816(s[mt][0], a0, a1, a2, a3, b00, b01);
-                    ldsm_x4(qs_s + (qr * ROWP + 32 * k2 + 16 + 8 * (mi >> 1)) * 2, a0, a1, a2, a3);
-                    mma16816(s[mt][0], a0, a1, a2, a3, b10, b11);
+                    for (int a = 1; a < KACC; ++a) v += sa[a][mt][n][e];
+                    s[mt][n][e] = v;
                 }
-            }
-        }
-#else
-#pragma unroll
-        for (int k = 0; k < KSTEPS_QK; ++k) {
-            unsigned int b[NKT][2];
-#pragma unroll
-            for (int n = 0; n < NKT; n += 2)
-                ldsm_x4(buf + ((kw + n * 8 + rr + 8 * (mi >> 1)) * ROWP + 16 * k + 8 * (mi & 1)) * 2, b[n][0],
-                        b[n][1], b[n + 1][0], b[n + 1][1]);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (mt * 16 < nrow) {
-                    unsigned int a0, a1, a2, a3;
-                    ldsm_x4(qs_s + ((mt * 16 + rr + 8 * (mi & 1)) * ROWP + 16 * k + 8 * (mi >> 1)) * 2, a0, a1,
-                            a2, a3);
-#pragma unroll
-                    for (int n = 0; n < NKT; ++n) mma16816(s[mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
-                }
-            }
-        }
-#endif
         // Mask (split end, causal limit) and this warp's per-row maxima of the tile.
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
