@@ -38,7 +38,7 @@ const REDUCE_THREADS: u32 = 128;
 /// Tile parameters of the MLA kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct MlaConfig {
-    /// Keys per shared-memory tile (32 or 64; at most the block size).
+    /// Keys per shared-memory tile (16, 32 or 64; at most the block size).
     pub keys_per_tile: usize,
     /// Warps per CTA: each scores `keys_per_tile / warps` keys and owns `d_v / warps` dims.
     pub warps: usize,
@@ -81,8 +81,8 @@ impl MlaConfig {
     }
 
     pub fn validate_for(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
-        ensure(matches!(self.keys_per_tile, 32 | 64), || {
-            format!("keys_per_tile = {} must be 32 or 64", self.keys_per_tile)
+        ensure(matches!(self.keys_per_tile, 16 | 32 | 64), || {
+            format!("keys_per_tile = {} must be 16, 32 or 64", self.keys_per_tile)
         })?;
         ensure(matches!(self.warps, 2 | 4 | 8), || {
             format!("warps = {} must be 2, 4 or 8", self.warps)

@@ -13,7 +13,11 @@ use crate::timing::{Timing, time_ms};
 
 /// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM, Q in
 /// registers). Configurations the shape does not take (shared memory, registers) are skipped.
-const SWEEP: [(usize, usize, usize, usize, usize, bool); 14] = [
+const SWEEP: [(usize, usize, usize, usize, usize, bool); 18] = [
+    (16, 2, 2, 1, 4, false),
+    (16, 2, 3, 1, 3, false),
+    (16, 2, 4, 1, 2, false),
+    (32, 2, 2, 1, 2, false),
     (64, 8, 2, 1, 1, false),
     (64, 8, 2, 1, 1, true),
     (32, 4, 2, 1, 2, false),

@@ -45,6 +45,10 @@
 #ifndef QREG
 #define QREG 0
 #endif
+// k-steps of Q·Kᵀ whose fragments are loaded together (divides D_QK / 16; even).
+#ifndef QG
+#define QG (MT >= 2 ? 2 : 4)
+#endif
 
 __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     unsigned int a;
@@ -154,11 +158,16 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
 #endif
 
     // A tile starts inside one pool block and, as TK <= block_size, ends in it or the next.
-    auto issue = [&](int ts, int stage) {
-        const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
+    // The two block ids are loaded one tile ahead of the copies that use them, so the copy
+    // issue never waits on a dependent global load.
+    auto blocks_of = [&](int ts, int& pa, int& pb) {
         const int b0 = ts / block_size, o0 = ts - b0 * block_size;
-        const int pa = table[b0];
-        const int pb = (o0 + TK > block_size && (b0 + 1) * block_size < s1) ? table[b0 + 1] : pa;
+        pa = table[b0];
+        pb = (o0 + TK > block_size && (b0 + 1) * block_size < s1) ? table[b0 + 1] : pa;
+    };
+    auto issue = [&](int ts, int stage, int pa, int pb) {
+        const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
+        const int o0 = ts % block_size;
 #pragma unroll
         for (int j = 0; j < (TK * NCH16 + THREADS - 1) / THREADS; ++j) {
             const int f = tid + THREADS * j;
@@ -196,9 +205,15 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     const int ntiles = (s1 - s0 + TK - 1) / TK;
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < ntiles) issue(s0 + st * TK, st);
+        if (st < ntiles) {
+            int pa, pb;
+            blocks_of(s0 + st * TK, pa, pb);
+            issue(s0 + st * TK, st, pa, pb);
+        }
         asm volatile("cp.async.commit_group;");
     }
+    int npa = 0, npb = 0;  // block ids of the next tile to issue
+    if (STAGES - 1 < ntiles) blocks_of(s0 + (STAGES - 1) * TK, npa, npb);
     for (int it = 0; it < ntiles; ++it) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
         // Tile `it` has landed for every thread, and every warp is done with tile it - 1 (its
@@ -206,16 +221,18 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         __syncthreads();
         {
             const int nt = it + STAGES - 1;
-            if (nt < ntiles) issue(s0 + nt * TK, nt % STAGES);
+            if (nt < ntiles) issue(s0 + nt * TK, nt % STAGES, npa, npb);
             asm volatile("cp.async.commit_group;");
+            if (nt + 1 < ntiles) blocks_of(s0 + (nt + 1) * TK, npa, npb);
         }
         const unsigned int buf = tiles_s + (it % STAGES) * (TK * ROWP * 2);
         const int tb = s0 + it * TK;
         const int kw = warp * KPW;  // this warp's first key in the tile
 
-        // S = Q · Kᵀ for this warp's KPW keys, every row. The k-steps rotate over KACC
-        // independent accumulators: one chain of 36 dependent MMAs per tile would make the
-        // product wait on MMA latency rather than throughput.
+        // S = Q · Kᵀ for this warp's KPW keys, every row. The inline assembly is volatile, so
+        // it runs in program order: the fragments of QG k-steps are loaded before their MMAs
+        // (rather than each MMA waiting on the ldmatrix just before it), and the k-steps rotate
+        // over KACC independent accumulators so that the MMAs do not form one dependent chain.
         float sa[KACC][MT][NKT][4];
 #pragma unroll
         for (int a = 0; a < KACC; ++a)
@@ -225,38 +242,49 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
                 for (int n = 0; n < NKT; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) sa[a][mt][n][e] = 0.f;
-#if NKT == 1
-        unsigned int bq[4];
-#endif
 #pragma unroll
-        for (int k = 0; k < KSTEPS_QK; ++k) {
-            unsigned int b[NKT][2];
+        for (int g0 = 0; g0 < KSTEPS_QK; g0 += QG) {
+            unsigned int bf[QG][NKT][2];
+            unsigned int af[QG][MT][4];
+#pragma unroll
+            for (int j = 0; j < QG; ++j) {
+                const int k = g0 + j;
 #if NKT == 1
-            // One ldmatrix.x4 gives the B fragments of 8 keys for two k-steps (32 dims).
-            if ((k & 1) == 0) ldsm_x4(buf + ((kw + rr) * ROWP + 16 * k + 8 * mi) * 2, bq[0], bq[1], bq[2], bq[3]);
-            b[0][0] = bq[2 * (k & 1)];
-            b[0][1] = bq[2 * (k & 1) + 1];
+                // One ldmatrix.x4 gives the B fragments of 8 keys for two k-steps (32 dims).
+                if ((j & 1) == 0)
+                    ldsm_x4(buf + ((kw + rr) * ROWP + 16 * k + 8 * mi) * 2, bf[j][0][0], bf[j][0][1], bf[j + 1][0][0],
+                            bf[j + 1][0][1]);
 #else
 #pragma unroll
-            for (int n = 0; n < NKT; n += 2)
-                ldsm_x4(buf + ((kw + n * 8 + rr + 8 * (mi >> 1)) * ROWP + 16 * k + 8 * (mi & 1)) * 2, b[n][0],
-                        b[n][1], b[n + 1][0], b[n + 1][1]);
+                for (int n = 0; n < NKT; n += 2)
+                    ldsm_x4(buf + ((kw + n * 8 + rr + 8 * (mi >> 1)) * ROWP + 16 * k + 8 * (mi & 1)) * 2, bf[j][n][0],
+                            bf[j][n][1], bf[j][n + 1][0], bf[j][n + 1][1]);
 #endif
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                if (mt * 16 < nrow) {
+                for (int mt = 0; mt < MT; ++mt) {
+                    if (mt == 0 || mt * 16 < nrow) {
 #if QREG
-                    const unsigned int a0 = qf[k][0], a1 = qf[k][1], a2 = qf[k][2], a3 = qf[k][3];
+                        af[j][mt][0] = qf[k][0];
+                        af[j][mt][1] = qf[k][1];
+                        af[j][mt][2] = qf[k][2];
+                        af[j][mt][3] = qf[k][3];
 #else
-                    unsigned int a0, a1, a2, a3;
-                    ldsm_x4(qs_s + ((mt * 16 + rr + 8 * (mi & 1)) * ROWP + 16 * k + 8 * (mi >> 1)) * 2, a0, a1,
-                            a2, a3);
+                        ldsm_x4(qs_s + ((mt * 16 + rr + 8 * (mi & 1)) * ROWP + 16 * k + 8 * (mi >> 1)) * 2,
+                                af[j][mt][0], af[j][mt][1], af[j][mt][2], af[j][mt][3]);
 #endif
-#pragma unroll
-                    for (int n = 0; n < NKT; ++n)
-                        mma16816(sa[k % KACC][mt][n], a0, a1, a2, a3, b[n][0], b[n][1]);
+                    }
                 }
             }
+#pragma unroll
+            for (int j = 0; j < QG; ++j)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    if (mt == 0 || mt * 16 < nrow) {
+#pragma unroll
+                        for (int n = 0; n < NKT; ++n)
+                            mma16816(sa[(g0 + j) % KACC][mt][n], af[j][mt][0], af[j][mt][1], af[j][mt][2],
+                                     af[j][mt][3], bf[j][n][0], bf[j][n][1]);
+                    }
         }
         float s[MT][NKT][4];
 #pragma unroll
@@ -335,25 +363,29 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
             }
         }
         __syncthreads();
-        // O += P · V over this warp's value dims, 16 keys per step.
+        // O += P · V over this warp's value dims, 16 keys per step; every fragment of a step is
+        // loaded before its MMAs (program order, as above).
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_PV; ++ks) {
             unsigned int pa[MT][4];
+            unsigned int vf[NVT / 2][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                if (mt * 16 < nrow)
+                if (mt == 0 || mt * 16 < nrow)
                     ldsm_x4(ps_s + ((mt * 16 + rr + 8 * (mi & 1)) * PROWP + 16 * ks + 8 * (mi >> 1)) * 2, pa[mt][0],
                             pa[mt][1], pa[mt][2], pa[mt][3]);
 #pragma unroll
-            for (int n = 0; n < NVT; n += 2) {
-                unsigned int v0, v1, v2, v3;
-                ldsm_x4_t(buf + ((16 * ks + rr + 8 * (mi & 1)) * ROWP + warp * DPW + n * 8 + 8 * (mi >> 1)) * 2, v0,
-                          v1, v2, v3);
+            for (int n = 0; n < NVT; n += 2)
+                ldsm_x4_t(buf + ((16 * ks + rr + 8 * (mi & 1)) * ROWP + warp * DPW + n * 8 + 8 * (mi >> 1)) * 2,
+                          vf[n / 2][0], vf[n / 2][1], vf[n / 2][2], vf[n / 2][3]);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    if (mt * 16 < nrow) {
-                        mma16816(o[mt][n], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], v0, v1);
-                        mma16816(o[mt][n + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], v2, v3);
+            for (int mt = 0; mt < MT; ++mt) {
+                if (mt == 0 || mt * 16 < nrow) {
+#pragma unroll
+                    for (int n = 0; n < NVT; n += 2) {
+                        mma16816(o[mt][n], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vf[n / 2][0], vf[n / 2][1]);
+                        mma16816(o[mt][n + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vf[n / 2][2],
+                                 vf[n / 2][3]);
                     }
                 }
             }
