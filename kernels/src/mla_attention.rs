@@ -636,6 +636,8 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         (spec, &decode_lens, &ones, c(32, 4, 4, 1), 384),
         (spec, &verify_lens, &verify_q, c(64, 4, 2, 1), 512),
         (spec, &verify_lens, &verify_q, c(64, 8, 2, 2), 2048),
+        (spec, &decode_lens, &ones, c(16, 2, 2, 1), 128),
+        (spec, &verify_lens, &verify_q, c(16, 2, 3, 1), 96),
         (spec, &decode_lens, &ones, qreg(64, 8, 1), 256),
         (spec, &decode_lens, &ones, qreg(32, 4, 2), 96),
         // 8 heads per latent: two tokens per m-tile; two latent heads
