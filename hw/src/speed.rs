@@ -1294,7 +1294,10 @@ mod tests {
                 50 + qt as u64,
             )
             .unwrap();
-            println!("{}: {:.1} GB/s {:.3} ms; {}", r.what, r.rate, r.timing.median_ms, r.note);
+            println!(
+                "{}: {:.1} GB/s {:.3} ms; {}",
+                r.what, r.rate, r.timing.median_ms, r.note
+            );
             rows.push(r);
         }
         let gqa = cfg.decode_shapes[0];
@@ -1320,7 +1323,11 @@ mod tests {
         rows.push(r);
         if let Ok(dir) = std::env::var("OUT") {
             let path = std::path::Path::new(&dir).join("attention-bench.json");
-            std::fs::write(path, serde_json::to_string_pretty(&(ceilings, rows)).unwrap()).unwrap();
+            std::fs::write(
+                path,
+                serde_json::to_string_pretty(&(ceilings, rows)).unwrap(),
+            )
+            .unwrap();
         }
     }
 

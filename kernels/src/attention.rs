@@ -421,7 +421,11 @@ impl AttentionWorkspace {
 
     pub(crate) fn parts_mut(
         &mut self,
-    ) -> (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>) {
+    ) -> (
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+    ) {
         (&mut self.m, &mut self.l, &mut self.acc)
     }
 

@@ -65,7 +65,10 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         let got = gpu.stream.clone_dtoh(&sink)?.iter().fold(0, |a, b| a ^ b);
         out.push(CheckResult::exact(
             "read_stream",
-            format!("{} B, {blocks} x {threads} threads: XOR of every word", host.len()),
+            format!(
+                "{} B, {blocks} x {threads} threads: XOR of every word",
+                host.len()
+            ),
             usize::from(got != xor_words(&host)),
         ));
     }

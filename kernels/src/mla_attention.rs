@@ -20,8 +20,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernel
 use half::bf16;
 
 use crate::attention::{
-    AttentionWorkspace, BlockTables, KvLayout, PagedAttentionShape, QueryRows,
-    paged_attention_cpu, pick_tokens_per_split, random_tables,
+    AttentionWorkspace, BlockTables, KvLayout, PagedAttentionShape, QueryRows, paged_attention_cpu,
+    pick_tokens_per_split, random_tables,
 };
 use crate::check::{BF16_TOL, CheckResult};
 use crate::error::{KernelError, ensure};
@@ -53,6 +53,9 @@ pub struct MlaConfig {
     /// re-read from shared memory for every key tile.
     #[serde(default)]
     pub q_in_registers: bool,
+    /// `cp.async` with the L2 256-byte prefetch hint.
+    #[serde(default)]
+    pub l2_prefetch: bool,
 }
 
 impl MlaConfig {
@@ -82,7 +85,10 @@ impl MlaConfig {
 
     pub fn validate_for(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
         ensure(matches!(self.keys_per_tile, 16 | 32 | 64), || {
-            format!("keys_per_tile = {} must be 16, 32 or 64", self.keys_per_tile)
+            format!(
+                "keys_per_tile = {} must be 16, 32 or 64",
+                self.keys_per_tile
+            )
         })?;
         ensure(matches!(self.warps, 2 | 4 | 8), || {
             format!("warps = {} must be 2, 4 or 8", self.warps)
@@ -151,6 +157,7 @@ impl MlaConfig {
             ("ROWP", Self::row(shape.d_qk)),
             ("PROWP", self.p_row()),
             ("QREG", self.q_in_registers as usize),
+            ("PF", self.l2_prefetch as usize),
         ]
     }
 }
@@ -169,10 +176,17 @@ pub fn row_chunks(max_rows: usize, max_m_tiles: usize) -> (usize, usize) {
     (tiles.div_ceil(chunks), chunks)
 }
 
-/// The default tiles for groups of at most `max_rows` (token, head) rows: 64-key tiles shared
-/// by 8 warps, two stages, and the fewest CTAs per split whose m-tiles fit (three m-tiles of
-/// 16 rows is the most whose Q rows, key ring and accumulators fit one SM), so a single-token
-/// decode of 16 heads is one m-tile and 6 verification tokens are two CTAs of three.
+/// The default tiles for groups of at most `max_rows` (token, head) rows.
+///
+/// One m-tile (a single-token decode of 16 heads): 16-key tiles shared by 2 warps, two
+/// stages, four CTAs per SM. Measured best on the H200 at 64 x 16K (hw/measurements,
+/// 2026-12-01): the kernel is bound by each CTA's latency per tile (three barriers, and the
+/// fragments' loads before their MMAs), so the most CTAs per SM wins over deeper rings or
+/// register-resident Q.
+///
+/// More rows (verification): 64-key tiles shared by 8 warps and the fewest CTAs per split whose
+/// m-tiles fit (three m-tiles of 16 rows is the most whose Q rows, key ring and accumulators
+/// fit one SM), so 6 verification tokens of 16 heads are two CTAs of three m-tiles.
 pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<MlaConfig> {
     let base = MlaConfig {
         keys_per_tile: 64,
@@ -181,21 +195,29 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         m_tiles: 1,
         min_blocks: 1,
         q_in_registers: false,
+        l2_prefetch: false,
     };
     let narrow = MlaConfig {
         keys_per_tile: 32,
         warps: 4,
         ..base
     };
-    [3, 2, 1]
+    let single = MlaConfig {
+        keys_per_tile: 16,
+        warps: 2,
+        min_blocks: 4,
+        ..base
+    };
+    let first = (max_rows <= 16).then_some(single);
+    first
         .into_iter()
-        .flat_map(|most| {
+        .chain([3, 2, 1].into_iter().flat_map(|most| {
             let (m_tiles, _) = row_chunks(max_rows, most);
             [
                 MlaConfig { m_tiles, ..base },
                 MlaConfig { m_tiles, ..narrow },
             ]
-        })
+        }))
         .find(|c| c.validate_for(shape).is_ok())
 }
 
@@ -241,9 +263,8 @@ pub struct MlaAttention {
 impl MlaAttention {
     pub fn new(gpu: &GpuContext, shape: PagedAttentionShape) -> Result<Self, KernelError> {
         shape.validate()?;
-        let probe = default_config(&shape, 16).ok_or_else(|| {
-            KernelError::shape(format!("the MLA kernel does not take {shape:?}"))
-        })?;
+        let probe = default_config(&shape, 16)
+            .ok_or_else(|| KernelError::shape(format!("the MLA kernel does not take {shape:?}")))?;
         let reduce = gpu
             .functions(
                 "mla_attention",
@@ -281,9 +302,8 @@ impl MlaAttention {
     pub fn config_for(&self, rows: &MlaRows) -> Result<MlaConfig, KernelError> {
         match self.forced {
             Some(c) => Ok(c),
-            None => default_config(&self.shape, rows.max_rows).ok_or_else(|| {
-                KernelError::shape(format!("no MLA tiles for {:?}", self.shape))
-            }),
+            None => default_config(&self.shape, rows.max_rows)
+                .ok_or_else(|| KernelError::shape(format!("no MLA tiles for {:?}", self.shape))),
         }
     }
 
@@ -603,6 +623,7 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
             m_tiles,
             min_blocks: 1,
             q_in_registers: false,
+            l2_prefetch: false,
         })
     };
     let qreg = |keys_per_tile, warps, min_blocks| {
@@ -613,6 +634,7 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
             m_tiles: 1,
             min_blocks,
             q_in_registers: true,
+            l2_prefetch: true,
         })
     };
     // Ragged lengths: a single key, lengths inside and at block ends, tiles crossing blocks
@@ -693,12 +715,18 @@ mod tests {
             assert!(c.smem_bytes(&s) <= MAX_DYNAMIC_SMEM, "{c:?}");
         }
         let one = default_config(&s, 16).unwrap();
-        assert_eq!((one.keys_per_tile, one.warps, one.m_tiles), (64, 8, 1));
-        // Q 16 x 584, two stages of 64 x 584, P 16 x 72 (bf16), maxima 8 x 16 (f32)
+        assert_eq!(
+            (one.keys_per_tile, one.warps, one.m_tiles, one.min_blocks),
+            (16, 2, 1, 4)
+        );
+        // Q 16 x 584, two stages of 16 x 584, P 16 x 24 (bf16), maxima 2 x 16 (f32): four
+        // CTAs fit in 227 KiB
         assert_eq!(
             one.smem_bytes(&s),
-            (16 + 128) * 584 * 2 + 16 * 72 * 2 + 8 * 16 * 4
+            (16 + 32) * 584 * 2 + 16 * 24 * 2 + 2 * 16 * 4
         );
+        let six = default_config(&s, 96).unwrap();
+        assert_eq!((six.keys_per_tile, six.warps, six.m_tiles), (64, 8, 3));
     }
 
     #[test]
@@ -715,7 +743,8 @@ mod tests {
     #[test]
     fn invalid_tiles_are_errors() {
         let s = spec_shape(16);
-        let ok = default_config(&s, 16).unwrap();
+        let ok = default_config(&s, 32).unwrap();
+        assert_eq!((ok.keys_per_tile, ok.m_tiles), (64, 2));
         // 4 keys per warp
         assert!(
             MlaConfig {
@@ -728,12 +757,22 @@ mod tests {
         );
         // three 64-key stages of 576-wide rows exceed shared memory
         assert!(MlaConfig { stages: 3, ..ok }.validate_for(&s).is_err());
+        // Q in registers takes one m-tile
+        assert!(
+            MlaConfig {
+                q_in_registers: true,
+                ..ok
+            }
+            .validate_for(&s)
+            .is_err()
+        );
         // 4 m-tiles x 16 rows x 128 dims per warp = 256 accumulators per lane
         assert!(
             MlaConfig {
                 warps: 4,
                 m_tiles: 4,
                 keys_per_tile: 32,
+                min_blocks: 1,
                 ..ok
             }
             .validate_for(&s)

@@ -37,14 +37,24 @@ impl Ceilings {
             100.0 * gbps / self.read
         );
         if let Some(d) = self.datasheet {
-            s.push_str(&format!(", {:.1}% of datasheet {d:.0} GB/s", 100.0 * gbps / d));
+            s.push_str(&format!(
+                ", {:.1}% of datasheet {d:.0} GB/s",
+                100.0 * gbps / d
+            ));
         }
         s
     }
 }
 
 /// Resident-thread shapes the read-only stream is swept over: (blocks per SM, threads).
-const READ_SHAPES: [(usize, usize); 6] = [(2, 1024), (4, 512), (8, 256), (4, 1024), (8, 512), (16, 256)];
+const READ_SHAPES: [(usize, usize); 6] = [
+    (2, 1024),
+    (4, 512),
+    (8, 256),
+    (4, 1024),
+    (8, 512),
+    (16, 256),
+];
 
 /// The read-only streaming ceiling: `bytes` of random data read once per run, the best of
 /// [`READ_SHAPES`] (the note says which).
@@ -70,8 +80,14 @@ pub fn measure_read(gpu: &GpuContext, bytes: usize, reps: usize) -> Result<Rate,
         let t = time_ms(gpu, 2, reps, || {
             read_stream(gpu, &bytes_view, blocks, threads, &mut sink)
         })?;
-        tried.push(format!("{per_sm}x{threads}: {:.0}", gbps((2 * n) as f64, &t)));
-        if best.as_ref().is_none_or(|(b, _, _)| t.median_ms < b.median_ms) {
+        tried.push(format!(
+            "{per_sm}x{threads}: {:.0}",
+            gbps((2 * n) as f64, &t)
+        ));
+        if best
+            .as_ref()
+            .is_none_or(|(b, _, _)| t.median_ms < b.median_ms)
+        {
             best = Some((t, per_sm, threads));
         }
     }

@@ -12,26 +12,21 @@ use super::{Rate, gbps};
 use crate::timing::{Timing, time_ms};
 
 /// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM, Q in
-/// registers). Configurations the shape does not take (shared memory, registers) are skipped.
-const SWEEP: [(usize, usize, usize, usize, usize, bool); 18] = [
-    (16, 2, 2, 1, 4, false),
-    (16, 2, 3, 1, 3, false),
-    (16, 2, 4, 1, 2, false),
-    (32, 2, 2, 1, 2, false),
-    (64, 8, 2, 1, 1, false),
-    (64, 8, 2, 1, 1, true),
-    (32, 4, 2, 1, 2, false),
-    (32, 4, 2, 1, 2, true),
-    (32, 4, 3, 1, 1, false),
-    (32, 4, 4, 1, 1, false),
-    (32, 4, 4, 1, 1, true),
-    (64, 4, 2, 1, 1, false),
-    (64, 8, 2, 2, 1, false),
-    (64, 8, 2, 3, 1, false),
-    (32, 4, 2, 2, 1, false),
-    (32, 4, 3, 2, 1, false),
-    (32, 4, 4, 2, 1, false),
-    (32, 2, 2, 1, 2, false),
+/// registers, L2 prefetch). Configurations the shape does not take (shared memory, registers)
+/// are skipped.
+const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 12] = [
+    (16, 2, 2, 1, 4, false, false),
+    (16, 2, 2, 1, 4, false, true),
+    (16, 2, 3, 1, 3, false, false),
+    (32, 4, 2, 1, 2, false, false),
+    (32, 4, 2, 1, 2, false, true),
+    (64, 8, 2, 1, 1, true, false),
+    (64, 8, 2, 1, 1, true, true),
+    (64, 8, 2, 2, 1, false, false),
+    (64, 8, 2, 2, 1, false, true),
+    (64, 8, 2, 3, 1, false, false),
+    (64, 8, 2, 3, 1, false, true),
+    (32, 4, 2, 2, 1, false, false),
 ];
 
 /// Decode (or verification with `query_tokens` per sequence) over `seqs` sequences of
@@ -68,7 +63,9 @@ pub fn measure_mla_decode(
         .ok_or_else(|| KernelError::shape(format!("no MLA tiles for {shape:?}")))?;
     let mut configs = vec![default];
     if sweep {
-        for (keys_per_tile, warps, stages, m_tiles, min_blocks, q_in_registers) in SWEEP {
+        for (keys_per_tile, warps, stages, m_tiles, min_blocks, q_in_registers, l2_prefetch) in
+            SWEEP
+        {
             let c = MlaConfig {
                 keys_per_tile,
                 warps,
@@ -76,6 +73,7 @@ pub fn measure_mla_decode(
                 m_tiles,
                 min_blocks,
                 q_in_registers,
+                l2_prefetch,
             };
             if !configs.contains(&c) && c.validate_for(&shape).is_ok() {
                 configs.push(c);
@@ -110,13 +108,14 @@ pub fn measure_mla_decode(
             })?;
             tried.push((tps, *cfg));
             trials.push(format!(
-                "{}x{}x{}x{}{}{} @{tps}: {:.0}",
+                "{}x{}x{}x{}/{}{}{} @{tps}: {:.0}",
                 cfg.keys_per_tile,
                 cfg.warps,
                 cfg.stages,
                 cfg.m_tiles,
-                if cfg.min_blocks > 1 { "/2" } else { "" },
+                cfg.min_blocks,
                 if cfg.q_in_registers { "Q" } else { "" },
+                if cfg.l2_prefetch { "P" } else { "" },
                 gbps(kv_bytes, &t)
             ));
             if ci == 0 && tps == rule {
@@ -160,7 +159,7 @@ pub fn measure_mla_decode(
         unit: "GB/s",
         ratio: Some(rate / ceilings.copy),
         note: format!(
-            "KV bytes read; {}; best tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, Q in registers {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial (keys x warps x stages x m-tiles[/CTAs per SM][Q] @tokens per split: GB/s): {}",
+            "KV bytes read; {}; best tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial (keys x warps x stages x m-tiles/CTAs per SM[Q: Q in registers][P: L2 prefetch] @tokens per split: GB/s): {}",
             ceilings.note(rate),
             cfg.keys_per_tile,
             cfg.warps,
@@ -168,6 +167,7 @@ pub fn measure_mla_decode(
             cfg.m_tiles,
             cfg.min_blocks,
             cfg.q_in_registers,
+            cfg.l2_prefetch,
             configs.len(),
             trials.join(", ")
         ),

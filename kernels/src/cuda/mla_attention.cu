@@ -56,8 +56,16 @@ __device__ __forceinline__ unsigned int smem_addr(const void* p) {
     return a;
 }
 
+#ifndef PF
+#define PF 0
+#endif
 __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
+#if PF
+    // also ask L2 to fetch the whole 256-byte segment around the chunk (PF = 1)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+#endif
 }
 
 __device__ __forceinline__ void mma16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
