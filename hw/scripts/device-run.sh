@@ -81,5 +81,14 @@ if [[ "${SKIP_SPEED:-0}" != 1 ]]; then
   timeout 300 "$b/servelab-gpu" speed --out "$out" --date "$date_utc" "$@" > /dev/null || status=1
   cat "$out/speed.md" 2>/dev/null
 fi
+# ATTENTION_BENCH=1: the attention rows alone at full size (copy and read-only ceilings, the
+# GQA tensor-core sweep, the MLA kernel at 1, 2, 4 and 6 query tokens): attention-bench.log
+# and attention-bench.json.
+if [[ "${ATTENTION_BENCH:-0}" == 1 ]]; then
+  for t in "$b"/tests/servelab_hw*; do
+    OUT="$out" timeout 400 "$t" --ignored attention_bench --nocapture --test-threads=1 2>&1 \
+      | tee -a "$out/attention-bench.log" | grep -E "GB/s|panicked|test result" || status=1
+  done
+fi
 (cd "$out" && tar czf json.tgz --remove-files $(ls *.json conformance-wall.md 2>/dev/null) 2>/dev/null)
 exit $status

@@ -1,7 +1,12 @@
 //! Speed against the same GPU's measured ceilings (issue 6, item 6):
 //! decode attention bandwidth over device-to-device copy bandwidth; a whole prefill step of the
 //! CUDA backend on an 8K-token chunk (every kernel of the step, not only its GEMMs) over a large
-//! cuBLAS bf16 GEMM; host-to-device block swap over one large pinned copy.
+//! cuBLAS bf16 GEMM; host-to-device block swap over one large pinned copy. Attention bandwidth
+//! is also reported against a read-only streaming ceiling and the datasheet ([`ceilings`]), and
+//! the MLA-shaped decode kernel is measured at the served batch ([`mla`]).
+
+pub mod ceilings;
+pub mod mla;
 
 use std::sync::Arc;
 
@@ -26,6 +31,8 @@ use servelab_kernels::{GpuContext, KernelError};
 
 use crate::backend::{BackendConfig, BackendError, CudaBackend, ModelShape, PhaseTimes};
 use crate::timing::{Timing, summarize, time_ms};
+use ceilings::{Ceilings, datasheet_gbps, measure_read};
+use mla::measure_mla_decode;
 
 /// What to measure; `quick` shrinks every size for a smoke run.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -35,6 +42,10 @@ pub struct SpeedConfig {
     pub decode_seqs: usize,
     pub decode_context: usize,
     pub decode_shapes: Vec<PagedAttentionShape>,
+    /// The MLA kernel's shape (latent 576, value 512, heads per latent) and the query tokens
+    /// per sequence it is measured at (1: decode; more: DSpark verification).
+    pub mla_shape: PagedAttentionShape,
+    pub mla_query_tokens: Vec<usize>,
     pub prefill: PrefillShape,
     /// Cached prefixes of the whole-step measurement: the judged row is the first (0: a fresh
     /// prompt's first chunk); the others are a chunk after a cached prefix (a cache hit).
@@ -75,6 +86,8 @@ impl SpeedConfig {
                     block_size: 128,
                 },
             ],
+            mla_shape: servelab_kernels::mla_attention::spec_shape(16),
+            mla_query_tokens: vec![1, 2, 4, 6],
             prefill: PrefillShape::scaled_default(8192),
             prefill_step_prefixes: vec![0, 8192],
             // 128 tokens x 890 B of global KV per token (SPEC §1)
@@ -91,6 +104,7 @@ impl SpeedConfig {
             gemm_ceiling_dim: 2048,
             decode_seqs: 4,
             decode_context: 1024,
+            mla_query_tokens: vec![1, 3],
             prefill: PrefillShape {
                 experts: 8,
                 hidden: 1024,
@@ -173,6 +187,10 @@ pub struct SpeedReport {
     pub driver_version: i32,
     pub config: SpeedConfig,
     pub copy_ceiling: Rate,
+    /// Bytes read by a kernel that only reads: the fair ceiling for attention.
+    pub read_ceiling: Rate,
+    /// Copy, read-only and datasheet bandwidth (GB/s) every decode row is also compared with.
+    pub ceilings: Ceilings,
     pub gemm_ceiling: Rate,
     pub decode: Vec<Rate>,
     /// The whole prefill step on an 8K-token chunk (fresh prompt) through the CUDA backend:
@@ -1031,8 +1049,31 @@ pub fn run(
     cfg: &SpeedConfig,
     mut log: impl FnMut(&str),
 ) -> Result<SpeedReport, KernelError> {
-    let copy = measure_copy(gpu, cfg.copy_bytes, cfg.reps)?;
+    let mut copy = measure_copy(gpu, cfg.copy_bytes, cfg.reps)?;
     log(&format!("copy: {:.0} GB/s", copy.rate));
+    let read = measure_read(gpu, cfg.copy_bytes, cfg.reps)?;
+    log(&format!("read-only stream: {:.0} GB/s", read.rate));
+    let ceilings = Ceilings {
+        copy: copy.rate,
+        read: read.rate,
+        datasheet: datasheet_gbps(&gpu.name()),
+    };
+    // The markdown table has no row for the read ceiling, so the copy row carries it.
+    copy.note = format!(
+        "{}; read-only stream ({}) {:.1} GB/s = {:.1}% of copy{}",
+        copy.note,
+        read.what,
+        read.rate,
+        100.0 * read.rate / copy.rate,
+        ceilings
+            .datasheet
+            .map(|d| format!(
+                "; datasheet {d:.0} GB/s: copy {:.1}%, read {:.1}%",
+                100.0 * copy.rate / d,
+                100.0 * read.rate / d
+            ))
+            .unwrap_or_default()
+    );
     let gemm = measure_gemm_ceiling(gpu, cfg.gemm_ceiling_dim, cfg.reps)?;
     log(&format!("gemm ceiling: {:.0} TFLOP/s", gemm.rate));
     let mut decode = Vec::new();
@@ -1055,6 +1096,10 @@ pub fn run(
                 copy.rate,
                 cfg.seed + i as u64,
             )?;
+            let r = Rate {
+                note: format!("{}; {}", ceilings.note(r.rate), r.note),
+                ..r
+            };
             log(&format!(
                 "{}: {:.0} GB/s ({:.2})",
                 r.what,
@@ -1063,6 +1108,21 @@ pub fn run(
             ));
             decode.push(r);
         }
+    }
+    for (i, &qt) in cfg.mla_query_tokens.iter().enumerate() {
+        let r = measure_mla_decode(
+            gpu,
+            cfg.mla_shape,
+            cfg.decode_seqs,
+            cfg.decode_context,
+            qt,
+            cfg.reps,
+            &ceilings,
+            true,
+            cfg.seed + 50 + i as u64,
+        )?;
+        log(&format!("{}: {:.0} GB/s; {}", r.what, r.rate, r.note));
+        decode.push(r);
     }
     let prefill_gemms_only = measure_prefill_gemms(gpu, &cfg.prefill, cfg.reps.min(10), gemm.rate)?;
     log(&format!(
@@ -1117,6 +1177,8 @@ pub fn run(
         driver_version: gpu.driver_version(),
         config: cfg.clone(),
         copy_ceiling: copy,
+        read_ceiling: read,
+        ceilings,
         gemm_ceiling: gemm,
         decode,
         prefill,
@@ -1196,6 +1258,77 @@ mod tests {
         let hit = StepFlops::of(&m, 2, 2, true);
         assert_eq!((hit.attention, hit.swa), (28.0, 12.0));
         assert_eq!(StepFlops::of(&m, 2, 2, false).swa, 16.0);
+    }
+
+    /// The attention rows alone at full size (ceilings, the GQA tensor-core kernel's sweep and
+    /// the MLA kernel at 1, 2, 4 and 6 query tokens), for a short device run:
+    /// `servelab_hw-* --ignored attention_bench --nocapture`; writes `attention-bench.json`
+    /// to `$OUT` when set.
+    #[test]
+    #[ignore = "full-size GPU benchmark"]
+    fn attention_bench() {
+        let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
+            return;
+        };
+        let cfg = SpeedConfig::full(1);
+        let copy = measure_copy(&gpu, cfg.copy_bytes, cfg.reps).unwrap();
+        let read = measure_read(&gpu, cfg.copy_bytes, cfg.reps).unwrap();
+        let ceilings = Ceilings {
+            copy: copy.rate,
+            read: read.rate,
+            datasheet: datasheet_gbps(&gpu.name()),
+        };
+        println!("{}: {:.1} GB/s", copy.what, copy.rate);
+        println!("{}: {:.1} GB/s; {}", read.what, read.rate, read.note);
+        let mut rows = vec![copy, read];
+        for &qt in &cfg.mla_query_tokens {
+            let r = measure_mla_decode(
+                &gpu,
+                cfg.mla_shape,
+                cfg.decode_seqs,
+                cfg.decode_context,
+                qt,
+                cfg.reps,
+                &ceilings,
+                true,
+                50 + qt as u64,
+            )
+            .unwrap();
+            println!(
+                "{}: {:.1} GB/s {:.3} ms; {}",
+                r.what, r.rate, r.timing.median_ms, r.note
+            );
+            rows.push(r);
+        }
+        let gqa = cfg.decode_shapes[0];
+        let r = measure_decode(
+            &gpu,
+            gqa,
+            AttentionKernel::Mma,
+            cfg.decode_seqs,
+            cfg.decode_context,
+            cfg.reps,
+            ceilings.copy,
+            1,
+        )
+        .unwrap();
+        println!(
+            "{}: {:.1} GB/s {:.3} ms; {}; {}",
+            r.what,
+            r.rate,
+            r.timing.median_ms,
+            ceilings.note(r.rate),
+            r.note
+        );
+        rows.push(r);
+        if let Ok(dir) = std::env::var("OUT") {
+            let path = std::path::Path::new(&dir).join("attention-bench.json");
+            std::fs::write(
+                path,
+                serde_json::to_string_pretty(&(ceilings, rows)).unwrap(),
+            )
+            .unwrap();
+        }
     }
 
     #[test]

@@ -404,6 +404,31 @@ pub struct AttentionWorkspace {
 }
 
 impl AttentionWorkspace {
+    /// Partials for `n` (row, head, split) slots of `d_v` values each.
+    pub(crate) fn new(gpu: &GpuContext, n: usize, d_v: usize) -> Result<Self, KernelError> {
+        let s = &gpu.stream;
+        Ok(Self {
+            m: s.alloc_zeros(n)?,
+            l: s.alloc_zeros(n)?,
+            acc: s.alloc_zeros(n * d_v)?,
+        })
+    }
+
+    /// Whether it holds `n` slots of `d_v` values.
+    pub(crate) fn holds(&self, n: usize, d_v: usize) -> bool {
+        self.m.len() >= n && self.acc.len() >= n * d_v
+    }
+
+    pub(crate) fn parts_mut(
+        &mut self,
+    ) -> (
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+    ) {
+        (&mut self.m, &mut self.l, &mut self.acc)
+    }
+
     /// Fills every partial with NaN, so a reduce that read one the split pass did not write
     /// would show in the output.
     pub fn poison(&mut self, gpu: &GpuContext) -> Result<(), KernelError> {

@@ -48,8 +48,10 @@ pub const BF16_TOL: f64 = 1e-2;
 /// Every kernel check, with inputs drawn from `seed`.
 pub fn run_all(gpu: &GpuContext, seed: u64) -> Vec<Result<CheckResult, (String, KernelError)>> {
     type CheckFn = fn(&GpuContext, u64) -> Result<Vec<CheckResult>, KernelError>;
-    let checks: [(&str, CheckFn); 9] = [
+    let checks: [(&str, CheckFn); 11] = [
         ("paged_attention", crate::attention::check_gpu),
+        ("mla_attention", crate::mla_attention::check_gpu),
+        ("read_stream", crate::bandwidth::check_gpu),
         ("swa_attention", crate::swa::check_gpu),
         ("rmsnorm", crate::norm::check_gpu),
         ("rope", crate::rope::check_gpu),

@@ -9,11 +9,13 @@
 //! GPU test prints `skipped: no GPU` and passes.
 
 pub mod attention;
+pub mod bandwidth;
 pub mod check;
 pub mod error;
 pub mod fill;
 pub mod gemm;
 pub mod gpu;
+pub mod mla_attention;
 pub mod moe;
 pub mod norm;
 pub mod ops;

@@ -107,6 +107,19 @@ pub fn all_variants() -> Vec<Variant> {
             ));
         }
     }
+    for (s, rows) in [
+        (crate::mla_attention::spec_shape(16), 16),
+        (crate::mla_attention::spec_shape(16), 96),
+        (crate::mla_attention::spec_shape(8), 48),
+    ] {
+        if let Some(c) = crate::mla_attention::default_config(&s, rows) {
+            v.push((
+                format!("mla_attention {s:?} {c:?}"),
+                crate::mla_attention::SRC.to_string(),
+                crate::mla_attention::defines(&s, &c),
+            ));
+        }
+    }
     let sw = crate::swa::SwaShape {
         num_kv_heads: 2,
         group: 4,
@@ -124,6 +137,7 @@ pub fn all_variants() -> Vec<Variant> {
         ("moe", crate::moe::SRC),
         ("sampling", crate::sampling::SRC),
         ("ops", crate::ops::SRC),
+        ("bandwidth", crate::bandwidth::SRC),
     ] {
         v.push((name.to_string(), src.to_string(), Vec::new()));
     }

@@ -1,0 +1,175 @@
+//! MLA-shaped decode attention (one 576-wide latent per token, values its first 512, many
+//! query heads per latent) at the served model's batch: bandwidth against the ceilings.
+
+use half::bf16;
+use servelab_kernels::attention::{KvLayout, PagedAttentionShape, QueryRows, random_tables};
+use servelab_kernels::fill::fill_uniform_bf16;
+use servelab_kernels::mla_attention::{MlaAttention, MlaConfig, default_config};
+use servelab_kernels::{GpuContext, KernelError};
+
+use super::ceilings::Ceilings;
+use super::{Rate, gbps};
+use crate::timing::{Timing, time_ms};
+
+/// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM, Q in
+/// registers, L2 prefetch). Configurations the shape does not take (shared memory, registers)
+/// are skipped.
+const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 12] = [
+    (16, 2, 2, 1, 4, false, false),
+    (16, 2, 2, 1, 4, false, true),
+    (16, 2, 3, 1, 3, false, false),
+    (32, 4, 2, 1, 2, false, false),
+    (32, 4, 2, 1, 2, false, true),
+    (64, 8, 2, 1, 1, true, false),
+    (64, 8, 2, 1, 1, true, true),
+    (64, 8, 2, 2, 1, false, false),
+    (64, 8, 2, 2, 1, false, true),
+    (64, 8, 2, 3, 1, false, false),
+    (64, 8, 2, 3, 1, false, true),
+    (32, 4, 2, 2, 1, false, false),
+];
+
+/// Decode (or verification with `query_tokens` per sequence) over `seqs` sequences of
+/// `context` keys each, randomly placed blocks. With `sweep` the tiles of [`SWEEP`] and fixed
+/// split sizes are tried too; the row is the best, its note gives the default's figure.
+#[allow(clippy::too_many_arguments)]
+pub fn measure_mla_decode(
+    gpu: &GpuContext,
+    shape: PagedAttentionShape,
+    seqs: usize,
+    context: usize,
+    query_tokens: usize,
+    reps: usize,
+    ceilings: &Ceilings,
+    sweep: bool,
+    seed: u64,
+) -> Result<Rate, KernelError> {
+    let mut att = MlaAttention::new(gpu, shape)?;
+    let blocks_per_seq = context.div_ceil(shape.block_size);
+    let num_blocks = seqs * blocks_per_seq;
+    let layout = KvLayout::packed(&shape, num_blocks);
+    let tables = random_tables(seed, seqs, blocks_per_seq, num_blocks);
+    let rows = QueryRows::decode_verify(&vec![context; seqs], &vec![query_tokens; seqs]);
+    let d_rows = att.upload(gpu, &layout, &tables, &rows)?;
+    let s = &gpu.stream;
+    let mut kv = s.alloc_zeros::<bf16>(layout.min_len(&shape))?;
+    fill_uniform_bf16(gpu, &mut kv, seed, 1.0)?;
+    let mut q = s.alloc_zeros::<bf16>(rows.len() * shape.num_heads() * shape.d_qk)?;
+    fill_uniform_bf16(gpu, &mut q, seed + 1, 1.0)?;
+    let mut out = s.alloc_zeros::<bf16>(rows.len() * shape.num_heads() * shape.d_v)?;
+    let scale = 1.0 / (shape.d_qk as f32).sqrt();
+    let kv_bytes = (seqs * context * shape.num_kv_heads * shape.d_qk * 2) as f64;
+    let default = default_config(&shape, d_rows.max_rows())
+        .ok_or_else(|| KernelError::shape(format!("no MLA tiles for {shape:?}")))?;
+    let mut configs = vec![default];
+    if sweep {
+        for (keys_per_tile, warps, stages, m_tiles, min_blocks, q_in_registers, l2_prefetch) in
+            SWEEP
+        {
+            let c = MlaConfig {
+                keys_per_tile,
+                warps,
+                stages,
+                m_tiles,
+                min_blocks,
+                q_in_registers,
+                l2_prefetch,
+            };
+            if !configs.contains(&c) && c.validate_for(&shape).is_ok() {
+                configs.push(c);
+            }
+        }
+    }
+    // (tokens per split, tiles, timing, (registers, local bytes))
+    type Best = (usize, MlaConfig, Timing, (i32, i32));
+    let mut best: Option<Best> = None;
+    let mut default_row: Option<(usize, Timing, (i32, i32))> = None;
+    let mut tried = Vec::new();
+    let mut trials: Vec<String> = Vec::new();
+    for (ci, cfg) in configs.iter().enumerate() {
+        att.set_config(Some(*cfg))?;
+        let rule = att.default_tokens_per_split(gpu, &d_rows)?;
+        let resources = att.resources(gpu, cfg)?;
+        let mut sizes = vec![rule];
+        if sweep {
+            sizes.extend([1024, 2048, 4096, 8192]);
+        }
+        sizes.dedup();
+        for tps in sizes {
+            if tried.contains(&(tps, *cfg)) || (tps != rule && tps >= context * 2) {
+                continue;
+            }
+            let mut ws = att.workspace(gpu, &d_rows, tps)?;
+            let kvv = kv.as_view();
+            let t = time_ms(gpu, 2, reps, || {
+                att.run(
+                    gpu, &q, &kvv, &layout, &d_rows, tps, &mut ws, scale, &mut out,
+                )
+            })?;
+            tried.push((tps, *cfg));
+            trials.push(format!(
+                "{}x{}x{}x{}/{}{}{} @{tps}: {:.0}",
+                cfg.keys_per_tile,
+                cfg.warps,
+                cfg.stages,
+                cfg.m_tiles,
+                cfg.min_blocks,
+                if cfg.q_in_registers { "Q" } else { "" },
+                if cfg.l2_prefetch { "P" } else { "" },
+                gbps(kv_bytes, &t)
+            ));
+            if ci == 0 && tps == rule {
+                default_row = Some((tps, t, resources));
+            }
+            if best
+                .as_ref()
+                .is_none_or(|(_, _, b, _)| t.median_ms < b.median_ms)
+            {
+                best = Some((tps, *cfg, t, resources));
+            }
+        }
+    }
+    let (tps, cfg, t, (regs, local)) = best.expect("at least one configuration");
+    let rate = gbps(kv_bytes, &t);
+    let default_note = match default_row {
+        Some((dt, dtm, (dr, dl))) => {
+            let r = gbps(kv_bytes, &dtm);
+            format!(
+                "; backend default (tiles {} keys x {} warps x {} stages x {} m-tiles, rule {dt} tokens/split; {dr} regs, {dl} B local) {r:.1} GB/s = {}",
+                default.keys_per_tile,
+                default.warps,
+                default.stages,
+                default.m_tiles,
+                ceilings.note(r)
+            )
+        }
+        None => String::new(),
+    };
+    Ok(Rate {
+        what: format!(
+            "MLA decode attention (Mma) latent {} / value {}, {} heads per latent, {query_tokens} query token{} per seq, {seqs} seqs x {context} tokens",
+            shape.d_qk,
+            shape.d_v,
+            shape.group,
+            if query_tokens == 1 { "" } else { "s" }
+        ),
+        timing: t,
+        amount: kv_bytes,
+        rate,
+        unit: "GB/s",
+        ratio: Some(rate / ceilings.copy),
+        note: format!(
+            "KV bytes read; {}; best tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial (keys x warps x stages x m-tiles/CTAs per SM[Q: Q in registers][P: L2 prefetch] @tokens per split: GB/s): {}",
+            ceilings.note(rate),
+            cfg.keys_per_tile,
+            cfg.warps,
+            cfg.stages,
+            cfg.m_tiles,
+            cfg.min_blocks,
+            cfg.q_in_registers,
+            cfg.l2_prefetch,
+            configs.len(),
+            trials.join(", ")
+        ),
+    })
+}
