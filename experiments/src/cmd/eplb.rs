@@ -16,10 +16,11 @@ pub struct Args {
     /// Physical expert slots per layer (a multiple of --gpus, at least the number of experts).
     #[arg(long)]
     pub replicas: usize,
-    /// Expert groups (must divide the number of experts).
+    /// Expert groups. When --nodes divide them the placement is hierarchical and the groups must
+    /// divide the experts; otherwise it is global (one group), as in DeepSeek's eplb.py.
     #[arg(long)]
     pub groups: usize,
-    /// Server nodes (must divide --gpus); hierarchical placement when they divide --groups.
+    /// Server nodes; with a hierarchical placement they must divide --gpus.
     #[arg(long)]
     pub nodes: usize,
     /// GPUs.
