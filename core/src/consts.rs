@@ -145,7 +145,7 @@ impl ServingConstants {
 /// The largest token constant accepted (2^24 = 16.8M tokens).
 pub const MAX_TOKENS: u32 = 1 << 24;
 /// The largest DSpark draft block accepted.
-pub const MAX_DRAFT_TOKENS: u32 = 1024;
+pub const MAX_DRAFT_TOKENS: u32 = 64;
 /// The largest layer count accepted.
 pub const MAX_LAYERS: u32 = 4096;
 /// The largest per-token byte size accepted (16 MiB).

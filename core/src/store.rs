@@ -620,6 +620,12 @@ impl KvStore {
     }
 
     fn put_at_now(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> bool {
+        // KV accounting is exact integer arithmetic: an object whose bytes would overflow the
+        // counters cannot be stored (every other counter, per node included, is at most the
+        // bytes written).
+        if self.stats.bytes_written.checked_add(bytes).is_none() {
+            return false;
+        }
         if self.cfg.capacity_bytes.is_none() {
             return self.put_unbounded(key, bytes, class);
         }
@@ -1019,10 +1025,12 @@ impl KvStore {
         {
             return Err(format!("{bytes} bytes stored over capacity {cap}"));
         }
-        let node_total: u64 = self.node_bytes.iter().sum();
-        let group = u64::from(self.cfg.ec_data_shards) + u64::from(self.cfg.ec_parity_shards);
-        if node_total < bytes
-            || node_total > (bytes + count * u64::from(self.cfg.ec_data_shards)) * group
+        let node_total: u128 = self.node_bytes.iter().map(|&b| u128::from(b)).sum();
+        let group = u128::from(self.cfg.ec_data_shards) + u128::from(self.cfg.ec_parity_shards);
+        let bytes128 = u128::from(bytes);
+        if node_total < bytes128
+            || node_total
+                > (bytes128 + u128::from(count) * u128::from(self.cfg.ec_data_shards)) * group
         {
             return Err("node accounting drifted".into());
         }
