@@ -146,7 +146,7 @@ fn finite(what: &str, x: f64) -> Result<(), String> {
 /// Loads and validates what the libraries own; `Err` is a broken promise (a non-finite output).
 fn check_library(kind: &str, c: &Value) -> Result<(), String> {
     let constants =
-        typed!(ServingConstants, c.get("constants")).unwrap_or_else(ServingConstants::default);
+        typed!(ServingConstants, c.get("constants")).unwrap_or_default();
     let constants_ok = constants.validate().is_ok();
     if let (Some(store), true) = (typed!(StoreConfig, c.get("store")), constants_ok) {
         let _ = store.validate(constants.block_bytes());

@@ -501,15 +501,13 @@ impl SessionStart {
         turns: &Dist,
         system_tag: &str,
         sys_len: &[u32],
-        bs: u32,
-        field: &'static str,
+        mut epoch: Epoch,
     ) -> Result<Self, ConfigError> {
         let session = *next_session;
         *next_session += 1;
         let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, index as u64));
         let sys = rng.random_range(0..sys_len.len() as u32) as usize;
         let turns = turns.tokens(&mut rng, 1);
-        let mut epoch = Epoch::new(bs, field);
         epoch.push(system_segment(system_tag, sys as u64), sys_len[sys])?;
         Ok(SessionStart {
             session,
@@ -546,8 +544,7 @@ fn gen_agent(
             &c.turns,
             "agent.system",
             &sys_len,
-            bs,
-            F,
+            Epoch::new(bs, F),
         )?;
         epoch.push(fresh(&mut rng), c.task_tokens.tokens(&mut rng, 1))?;
         let mut t = start;
@@ -604,8 +601,7 @@ fn gen_chat(
             &c.turns,
             "chat.system",
             &sys_len,
-            bs,
-            F,
+            Epoch::new(bs, F),
         )?;
         let mut t = start;
         for turn in 0..turns {

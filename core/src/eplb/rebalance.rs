@@ -641,8 +641,8 @@ mod tests {
         if e == 0 || r == 0 || g == 0 || n == 0 || p == 0 {
             return false;
         }
-        let (g, n) = if g % n == 0 { (g, n) } else { (1, 1) };
-        e % g == 0 && p % n == 0 && r % p == 0 && r >= e
+        let (g, n) = if g.is_multiple_of(n) { (g, n) } else { (1, 1) };
+        e.is_multiple_of(g) && p.is_multiple_of(n) && r.is_multiple_of(p) && r >= e
     }
 
     proptest! {

@@ -57,9 +57,25 @@ fn parse_weight(text: &str) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
+/// The largest load file read (256 MiB): a load matrix of tens of millions of entries, and
+/// `/dev/zero` is refused instead of read into memory without end.
+const MAX_INPUT_BYTES: u64 = 256 << 20;
+
+fn read_bounded(path: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_INPUT_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_INPUT_BYTES {
+        return Err(anyhow!("the file is larger than {} MiB", MAX_INPUT_BYTES >> 20));
+    }
+    Ok(text)
+}
+
 pub fn run(a: Args) -> Result<()> {
     let file = a.input.display();
-    let text = std::fs::read_to_string(&a.input).with_context(|| format!("reading {file}"))?;
+    let text = read_bounded(&a.input).with_context(|| format!("reading {file}"))?;
     let weight = parse_weight(&text)
         .with_context(|| format!("{file}: expected {{\"weight\": [[...], ...]}}"))?;
     let placement =
