@@ -95,13 +95,25 @@ impl ServingConstants {
             ("block_tokens", self.block_tokens, MAX_TOKENS),
             ("draft_tokens", self.draft_tokens, MAX_DRAFT_TOKENS),
             ("backtrack_tokens", self.backtrack_tokens, MAX_TOKENS),
-            ("decoder_replay_tokens", self.decoder_replay_tokens, MAX_TOKENS),
-            ("exact_rebuild_tokens", self.exact_rebuild_tokens, MAX_TOKENS),
+            (
+                "decoder_replay_tokens",
+                self.decoder_replay_tokens,
+                MAX_TOKENS,
+            ),
+            (
+                "exact_rebuild_tokens",
+                self.exact_rebuild_tokens,
+                MAX_TOKENS,
+            ),
             ("swa_state_tokens", self.swa_state_tokens, MAX_TOKENS),
             ("encoder_layers", self.encoder_layers, MAX_LAYERS),
             ("decoder_layers", self.decoder_layers, MAX_LAYERS),
             ("swa_state_layers", self.swa_state_layers, MAX_LAYERS),
-            ("kv_bytes_per_token", self.kv_bytes_per_token, MAX_BYTES_PER_TOKEN),
+            (
+                "kv_bytes_per_token",
+                self.kv_bytes_per_token,
+                MAX_BYTES_PER_TOKEN,
+            ),
             (
                 "swa_bytes_per_token_layer",
                 self.swa_bytes_per_token_layer,
@@ -109,7 +121,10 @@ impl ServingConstants {
             ),
         ] {
             if v > max {
-                return field(name, format!("{v} is more than the largest accepted, {max}"));
+                return field(
+                    name,
+                    format!("{v} is more than the largest accepted, {max}"),
+                );
             }
         }
         if u64::from(self.backtrack_tokens) < u64::from(self.draft_tokens) + 1 {

@@ -194,7 +194,11 @@ impl ChainBuilder {
             add: tokens,
             block_tokens: self.chain.block_tokens,
         };
-        let total = self.chain.total_tokens.checked_add(tokens).ok_or(overflow)?;
+        let total = self
+            .chain
+            .total_tokens
+            .checked_add(tokens)
+            .ok_or(overflow)?;
         if u64::from(total / self.chain.block_tokens) > MAX_CHAIN_BLOCKS {
             return Err(overflow);
         }

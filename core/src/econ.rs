@@ -548,7 +548,10 @@ impl EconEstimate {
         }
         figures.extend(self.utilisation_needed.map(|u| ("utilisation needed", u)));
         figures.extend(self.cache_days_per_gpu.map(|d| ("cache days per GPU", d)));
-        figures.extend(self.cache_days_at_gpus_needed.map(|d| ("cache days per GPU", d)));
+        figures.extend(
+            self.cache_days_at_gpus_needed
+                .map(|d| ("cache days per GPU", d)),
+        );
         finite_figures(&figures)?;
         shares_check("token share", &self.token_share)?;
         if let Some(r) = &self.revenue_share {
@@ -720,7 +723,10 @@ pub fn measured_day(day: &MeasuredDay, prices: &Prices) -> Result<MeasuredRevenu
     finite_figures(&[
         ("total tokens", tokens.total()),
         ("revenue per day", revenue_per_day),
-        ("revenue per GPU-hour", revenue_per_day / (day.gpus * HOURS_PER_DAY)),
+        (
+            "revenue per GPU-hour",
+            revenue_per_day / (day.gpus * HOURS_PER_DAY),
+        ),
         ("input tokens", input),
     ])?;
     shares_check("token share", &token_share)?;

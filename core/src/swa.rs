@@ -55,9 +55,7 @@ impl SwaConfig {
                 format!(
                     "{} machines × {} slots = {total} slots is more than the {MAX_SWA_SLOTS} \
                      the cache preallocates (about {} bytes of bookkeeping each)",
-                    self.machines,
-                    self.slots_per_machine,
-                    SLOT_BOOKKEEPING_BYTES
+                    self.machines, self.slots_per_machine, SLOT_BOOKKEEPING_BYTES
                 ),
             ));
         }

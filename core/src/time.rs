@@ -191,9 +191,7 @@ pub fn parse_duration(text: &str) -> Result<Nanos, String> {
         .map_err(|_| format!("`{text}` is not a duration: write {DURATION_FORMS}"))?;
     let scale = match unit.trim() {
         "" => {
-            return Err(format!(
-                "`{text}` has no unit: write {DURATION_FORMS}"
-            ));
+            return Err(format!("`{text}` has no unit: write {DURATION_FORMS}"));
         }
         "ns" | "nsec" => 1.0,
         "us" | "µs" | "usec" => 1e3,
@@ -289,7 +287,10 @@ mod tests {
         }
         for text in ["ttl = 259200", "ttl = 3.0", "ttl = -1"] {
             let e = toml::from_str::<C>(text).unwrap_err().to_string();
-            assert!(e.contains("bare number") && e.contains("\"250ms\""), "{text}: {e}");
+            assert!(
+                e.contains("bare number") && e.contains("\"250ms\""),
+                "{text}: {e}"
+            );
             assert!(e.contains("line 1"), "{text}: {e}");
         }
         assert!(toml::from_str::<C>("ttl = true").is_err());

@@ -773,7 +773,9 @@ mod tests {
     #[test]
     fn zero_and_too_many_drafts_are_refused() {
         for d in [0, MAX_DRAFTS + 1, u32::MAX] {
-            let e = validate_drafts(d, "point.draft_tokens").unwrap_err().to_string();
+            let e = validate_drafts(d, "point.draft_tokens")
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("point.draft_tokens"), "{e}");
             assert!(AcceptanceTable::try_new(&AcceptanceModel::default(), d, 1).is_err());
         }

@@ -145,8 +145,7 @@ fn finite(what: &str, x: f64) -> Result<(), String> {
 
 /// Loads and validates what the libraries own; `Err` is a broken promise (a non-finite output).
 fn check_library(kind: &str, c: &Value) -> Result<(), String> {
-    let constants =
-        typed!(ServingConstants, c.get("constants")).unwrap_or_default();
+    let constants = typed!(ServingConstants, c.get("constants")).unwrap_or_default();
     let constants_ok = constants.validate().is_ok();
     if let (Some(store), true) = (typed!(StoreConfig, c.get("store")), constants_ok) {
         let _ = store.validate(constants.block_bytes());
@@ -157,7 +156,10 @@ fn check_library(kind: &str, c: &Value) -> Result<(), String> {
     let mut workloads: Vec<WorkloadConfig> = Vec::new();
     match c.get("workload") {
         Some(Value::Array(ws)) => {
-            workloads.extend(ws.iter().filter_map(|w| typed!(WorkloadConfig, w.get("mix"))));
+            workloads.extend(
+                ws.iter()
+                    .filter_map(|w| typed!(WorkloadConfig, w.get("mix"))),
+            );
         }
         w => workloads.extend(typed!(WorkloadConfig, w)),
     }
@@ -196,13 +198,23 @@ fn check_eplb(c: &Value) -> Result<(), String> {
         else {
             continue;
         };
-        let Some(skew) = typed!(SkewConfig, c.get("skew").and_then(|k| k.get(phase.name())))
-        else {
+        let Some(skew) = typed!(SkewConfig, c.get("skew").and_then(|k| k.get(phase.name()))) else {
             continue;
         };
-        let tokens = s.get("tokens_per_step").and_then(Value::as_integer).unwrap_or(0);
-        let sequences = s.get("sequences_per_step").and_then(Value::as_integer).unwrap_or(1);
-        for p in s.get("policy").and_then(Value::as_array).into_iter().flatten() {
+        let tokens = s
+            .get("tokens_per_step")
+            .and_then(Value::as_integer)
+            .unwrap_or(0);
+        let sequences = s
+            .get("sequences_per_step")
+            .and_then(Value::as_integer)
+            .unwrap_or(1);
+        for p in s
+            .get("policy")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             let Some(placement) = typed!(PlacementPolicy, p.get("placement")) else {
                 continue;
             };
@@ -328,6 +340,48 @@ fn library_validation_never_panics() {
     );
 }
 
+/// A random number for a numeric field: any sign and size, integer or float.
+fn any_number() -> impl proptest::strategy::Strategy<Value = Value> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (-4i64..70_000).prop_map(Value::Integer),
+        any::<i64>().prop_map(Value::Integer),
+        (0u32..64).prop_map(|b| Value::Integer(1i64 << b)),
+        prop::num::f64::ANY.prop_map(Value::Float),
+        (-1.0f64..2.0).prop_map(Value::Float),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
+        failure_persistence: None,
+        ..proptest::prelude::ProptestConfig::default()
+    })]
+
+    /// Several fields of one shipped config changed at once to random numbers (NaN and
+    /// infinities included): the libraries still only ever refuse or accept, never panic.
+    #[test]
+    fn random_multi_field_mutations_never_panic(kind in proptest::sample::select(CONFIGS.to_vec()),
+                                               picks in proptest::collection::vec((proptest::prelude::any::<proptest::sample::Index>(), any_number()), 1..4)) {
+        let mut c = load(kind);
+        let mut paths = Vec::new();
+        numeric_paths(&c, &mut Vec::new(), &mut paths);
+        let mut what = Vec::new();
+        for (i, v) in picks {
+            let p = &paths[i.index(paths.len())];
+            what.push(format!("{} = {v}", path_name(p)));
+            set(&mut c, p, v);
+        }
+        let what = format!("{kind}: {}", what.join(", "));
+        let known = KNOWN_ELSEWHERE.iter().any(|k| {
+            k.strip_prefix(&format!("{kind}: ")).is_some_and(|m| what.contains(m.split(" = ").next().unwrap_or(m)))
+        });
+        let r = std::panic::catch_unwind(|| check_library(kind, &c));
+        proptest::prop_assert!(known || matches!(r, Ok(Ok(()))), "{what}: {:?}", r.map_err(|_| "panicked"));
+    }
+}
+
 // ---- The binary under caps. ----
 
 /// The debug `servelab` beside this test binary (`target/debug/servelab`).
@@ -387,7 +441,14 @@ fn shrunk(name: &str) -> Value {
             );
             edit(
                 &mut c,
-                &["scenario", "0", "policy", "1", "placement", "reassign_every_steps"],
+                &[
+                    "scenario",
+                    "0",
+                    "policy",
+                    "1",
+                    "placement",
+                    "reassign_every_steps",
+                ],
                 Value::Integer(20),
             );
         }
@@ -502,7 +563,10 @@ fn shrunk_configs_run_under_caps() {
                 })
             })
             .collect();
-        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
     });
     let _ = std::fs::remove_dir_all(&root);
     let (mut ok, mut clean, mut broken) = (0, 0, Vec::new());

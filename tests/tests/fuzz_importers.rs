@@ -33,12 +33,19 @@ fn config() -> ProptestConfig {
 fn check_trace(t: &Trace) -> Result<(), TestCaseError> {
     prop_assert!(t.block_tokens > 0);
     for w in t.requests.windows(2) {
-        prop_assert!((w[0].arrival, w[0].id) < (w[1].arrival, w[1].id), "not sorted");
+        prop_assert!(
+            (w[0].arrival, w[0].id) < (w[1].arrival, w[1].id),
+            "not sorted"
+        );
     }
     for r in &t.requests {
         prop_assert!(r.arrival <= Nanos::HORIZON, "arrival past the horizon");
         let total = u64::from(r.prompt_tokens) + u64::from(r.output_tokens);
-        prop_assert_eq!(u64::from(r.content.total_tokens()), total, "lengths wrapped");
+        prop_assert_eq!(
+            u64::from(r.content.total_tokens()),
+            total,
+            "lengths wrapped"
+        );
         prop_assert_eq!(
             r.prompt_blocks().len() as u32,
             r.prompt_tokens / t.block_tokens
@@ -50,14 +57,28 @@ fn check_trace(t: &Trace) -> Result<(), TestCaseError> {
 /// The contract of a failed import: the file is named, and a line number is one of the input's.
 fn check_error(e: &TraceError, lines: usize) -> Result<(), TestCaseError> {
     let msg = e.to_string();
-    prop_assert!(msg.starts_with(PATH), "error does not name the file: {}", msg);
+    prop_assert!(
+        msg.starts_with(PATH),
+        "error does not name the file: {}",
+        msg
+    );
     match e {
         TraceError::Field { line, field, .. } => {
-            prop_assert!(*line >= 1 && *line <= lines.max(1), "line {} of {}", line, lines);
+            prop_assert!(
+                *line >= 1 && *line <= lines.max(1),
+                "line {} of {}",
+                line,
+                lines
+            );
             prop_assert!(!field.is_empty());
         }
         TraceError::Line { line, .. } => {
-            prop_assert!(*line >= 1 && *line <= lines.max(1), "line {} of {}", line, lines);
+            prop_assert!(
+                *line >= 1 && *line <= lines.max(1),
+                "line {} of {}",
+                line,
+                lines
+            );
         }
         TraceError::File { .. } | TraceError::Io { .. } => {}
     }
@@ -108,7 +129,10 @@ fn segment() -> impl Strategy<Value = String> {
 }
 
 fn object(fields: Vec<(String, String)>) -> String {
-    let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\": {v}")).collect();
+    let body: Vec<String> = fields
+        .iter()
+        .map(|(k, v)| format!("\"{k}\": {v}"))
+        .collect();
     format!("{{{}}}", body.join(", "))
 }
 
@@ -126,7 +150,13 @@ fn garbage() -> impl Strategy<Value = String> {
 
 fn native_line() -> impl Strategy<Value = String> {
     let key = prop::sample::select(vec![
-        "arrival_ns", "arrival_ms", "session", "class", "prompt", "output", "output_tokens",
+        "arrival_ns",
+        "arrival_ms",
+        "session",
+        "class",
+        "prompt",
+        "output",
+        "output_tokens",
         "arival_ms",
     ]);
     let field = (key, 0u8..4).prop_flat_map(|(k, kind)| {
@@ -135,18 +165,30 @@ fn native_line() -> impl Strategy<Value = String> {
                 .prop_map(|s| format!("[{}]", s.join(", ")))
                 .boxed(),
             ("output", 0..=2) => segment().boxed(),
-            ("class", 0..=2) => prop::sample::select(vec!["\"agent\"", "\"chat\"", "\"other\"", "\"x\""])
-                .prop_map(str::to_string)
-                .boxed(),
+            ("class", 0..=2) => {
+                prop::sample::select(vec!["\"agent\"", "\"chat\"", "\"other\"", "\"x\""])
+                    .prop_map(str::to_string)
+                    .boxed()
+            }
             _ => value().boxed(),
         };
         v.prop_map(move |v| (k.to_string(), v))
     });
     let record = prop::collection::vec(field, 0..8).prop_map(object);
-    let valid = ((0u64..10_000), prop::collection::vec((0u64..6, 1u32..3_000), 1..4), 0u32..500)
+    let valid = (
+        (0u64..10_000),
+        prop::collection::vec((0u64..6, 1u32..3_000), 1..4),
+        0u32..500,
+    )
         .prop_map(|(t, p, o)| {
-            let p: Vec<String> = p.iter().map(|(id, n)| format!("[{id}, {}]", 100 + id * 10 + u64::from(*n % 7))).collect();
-            format!("{{\"arrival_ms\": {t}, \"prompt\": [{}], \"output_tokens\": {o}}}", p.join(", "))
+            let p: Vec<String> = p
+                .iter()
+                .map(|(id, n)| format!("[{id}, {}]", 100 + id * 10 + u64::from(*n % 7)))
+                .collect();
+            format!(
+                "{{\"arrival_ms\": {t}, \"prompt\": [{}], \"output_tokens\": {o}}}",
+                p.join(", ")
+            )
         });
     prop_oneof![4 => record, 4 => valid, 1 => garbage()]
 }
@@ -160,7 +202,12 @@ fn mooncake_line() -> impl Strategy<Value = String> {
             ids.join(", ")
         )
     });
-    let key = prop::sample::select(vec!["timestamp", "input_length", "output_length", "hash_ids"]);
+    let key = prop::sample::select(vec![
+        "timestamp",
+        "input_length",
+        "output_length",
+        "hash_ids",
+    ]);
     let field = (key, 0u8..3).prop_flat_map(|(k, kind)| {
         let v: BoxedStrategy<String> = if k == "hash_ids" && kind < 2 {
             prop::collection::vec(number(), 0..6)
@@ -317,7 +364,10 @@ fn duplicate_json_keys_are_refused() {
         "{\"arrival_ms\": 0, \"prompt\": [[1, 10]], \"prompt\": [[2, 10]], \"output_tokens\": 1}",
         128,
     );
-    assert!(e.contains(":1: field `prompt`") && e.contains("twice"), "{e}");
+    assert!(
+        e.contains(":1: field `prompt`") && e.contains("twice"),
+        "{e}"
+    );
     let e = mooncake::read(
         Cursor::new(&b"{\"timestamp\": 1, \"timestamp\": 2, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [1]}"[..]),
         Path::new(PATH),
@@ -325,13 +375,17 @@ fn duplicate_json_keys_are_refused() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("field `timestamp`") && e.contains("twice"), "{e}");
+    assert!(
+        e.contains("field `timestamp`") && e.contains("twice"),
+        "{e}"
+    );
 }
 
 /// Duplicate CSV header columns were accepted (the first one won).
 #[test]
 fn duplicate_csv_columns_are_refused() {
-    let text = "TIMESTAMP,ContextTokens,GeneratedTokens,contexttokens\n2023-11-16 18:17:03,10,2,20\n";
+    let text =
+        "TIMESTAMP,ContextTokens,GeneratedTokens,contexttokens\n2023-11-16 18:17:03,10,2,20\n";
     let e = azure::read(
         Cursor::new(text.as_bytes()),
         Path::new(PATH),
@@ -339,7 +393,10 @@ fn duplicate_csv_columns_are_refused() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains(":1: field `contexttokens`") && e.contains("twice"), "{e}");
+    assert!(
+        e.contains(":1: field `contexttokens`") && e.contains("twice"),
+        "{e}"
+    );
 }
 
 /// Arrival times past the 146-year horizon are refused, not saturated.
@@ -349,12 +406,18 @@ fn arrivals_past_the_horizon_are_refused() {
         "{\"arrival_ns\": 18446744073709551615, \"prompt\": [[1, 10]], \"output_tokens\": 1}",
         128,
     );
-    assert!(e.contains("field `arrival_ns`") && e.contains("horizon"), "{e}");
+    assert!(
+        e.contains("field `arrival_ns`") && e.contains("horizon"),
+        "{e}"
+    );
     let e = native_err(
         "{\"arrival_ms\": 1e300, \"prompt\": [[1, 10]], \"output_tokens\": 1}",
         128,
     );
-    assert!(e.contains("field `arrival_ms`") && e.contains("horizon"), "{e}");
+    assert!(
+        e.contains("field `arrival_ms`") && e.contains("horizon"),
+        "{e}"
+    );
     let e = mooncake::read(
         Cursor::new(&b"{\"timestamp\": 9223372036854, \"input_length\": 5, \"output_length\": 1, \"hash_ids\": [1]}"[..]),
         Path::new(PATH),
@@ -362,7 +425,10 @@ fn arrivals_past_the_horizon_are_refused() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("field `timestamp`") && e.contains("horizon"), "{e}");
+    assert!(
+        e.contains("field `timestamp`") && e.contains("horizon"),
+        "{e}"
+    );
     let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n1800-01-01 00:00:00,1,1\n2023-11-16 18:17:03,10,2\n";
     let e = azure::read(
         Cursor::new(text.as_bytes()),
@@ -371,7 +437,10 @@ fn arrivals_past_the_horizon_are_refused() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains(":3: field `TIMESTAMP`") && e.contains("horizon"), "{e}");
+    assert!(
+        e.contains(":3: field `TIMESTAMP`") && e.contains("horizon"),
+        "{e}"
+    );
 }
 
 /// A context of billions of tokens at a small block size would take gigabytes of keys: refused
@@ -382,7 +451,10 @@ fn contexts_past_the_chain_limit_are_refused() {
         "{\"arrival_ms\": 0, \"prompt\": [[1, 4000000000]], \"output_tokens\": 1}",
         1,
     );
-    assert!(e.contains(":1: field `prompt[0]`") && e.contains("longer than a chain holds"), "{e}");
+    assert!(
+        e.contains(":1: field `prompt[0]`") && e.contains("longer than a chain holds"),
+        "{e}"
+    );
     let text = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,4000000000,2\n";
     let e = azure::read(
         Cursor::new(text.as_bytes()),

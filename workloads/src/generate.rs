@@ -368,7 +368,11 @@ impl Out {
         self.drafts.push(d);
         Ok(())
     }
-    fn charge(&mut self, chain: &servelab_core::ContentChain, field: &str) -> Result<(), ConfigError> {
+    fn charge(
+        &mut self,
+        chain: &servelab_core::ContentChain,
+        field: &str,
+    ) -> Result<(), ConfigError> {
         self.blocks
             .charge(chain)
             .map_err(|e| ConfigError::invalid(field, e))
@@ -877,7 +881,10 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(e.contains("workload.documents") && e.contains("longer than a chain holds"), "{e}");
+        assert!(
+            e.contains("workload.documents") && e.contains("longer than a chain holds"),
+            "{e}"
+        );
         let mut a = agent();
         a.session_rate_per_s = 1e-300;
         let e = generate(

@@ -238,9 +238,7 @@ fn build(
         b.try_push(output.0, output.1)
             .map_err(|e| ctx.field("output", e.to_string()))?;
         let content = b.finish();
-        budget
-            .charge(&content)
-            .map_err(|e| ctx.line_error(e))?;
+        budget.charge(&content).map_err(|e| ctx.line_error(e))?;
         requests.push(Request {
             id: RequestId(i as u64),
             session: r.session,
@@ -480,10 +478,9 @@ pub(crate) mod lines {
                 Ok(Record::Duplicate(k)) => {
                     Err(self.field(k, "appears twice in the record (keys must be unique)"))
                 }
-                Ok(Record::Other(v)) => Err(self.line_error(format!(
-                    "expected a JSON object, got {}",
-                    kind(&v)
-                ))),
+                Ok(Record::Other(v)) => {
+                    Err(self.line_error(format!("expected a JSON object, got {}", kind(&v))))
+                }
                 Err(e) => Err(self.line_error(format!("invalid JSON: {e}"))),
             }
         }

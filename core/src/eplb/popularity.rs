@@ -324,7 +324,10 @@ mod tests {
             for layer in counts.chunks(16) {
                 let total: u64 = layer.iter().map(|&c| u64::from(c)).sum();
                 // Σ q = k exactly; the binomial draws of the uncapped experts add noise.
-                assert!((3_000..=5_000).contains(&total), "{zipf} {sigma}: {layer:?}");
+                assert!(
+                    (3_000..=5_000).contains(&total),
+                    "{zipf} {sigma}: {layer:?}"
+                );
             }
             let share = g.expected_share(0);
             assert!(share.iter().all(|x| x.is_finite()), "{share:?}");

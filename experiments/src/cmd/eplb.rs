@@ -68,7 +68,10 @@ fn read_bounded(path: &std::path::Path) -> Result<String> {
         .take(MAX_INPUT_BYTES + 1)
         .read_to_string(&mut text)?;
     if text.len() as u64 > MAX_INPUT_BYTES {
-        return Err(anyhow!("the file is larger than {} MiB", MAX_INPUT_BYTES >> 20));
+        return Err(anyhow!(
+            "the file is larger than {} MiB",
+            MAX_INPUT_BYTES >> 20
+        ));
     }
     Ok(text)
 }
