@@ -54,7 +54,7 @@ impl Default for ServingConstants {
 impl ServingConstants {
     /// Never hit closer than this to the end of the prompt: window + backtrack (134).
     pub fn hit_margin_tokens(&self) -> u32 {
-        self.window_tokens + self.backtrack_tokens
+        self.window_tokens.saturating_add(self.backtrack_tokens)
     }
 
     /// Bytes of one full KV block in the store (before erasure coding).
@@ -65,13 +65,13 @@ impl ServingConstants {
     /// Bytes of one stored SWA state (1,415,040 with the defaults).
     pub fn swa_state_bytes(&self) -> u64 {
         u64::from(self.swa_state_layers)
-            * u64::from(self.swa_state_tokens)
-            * u64::from(self.swa_bytes_per_token_layer)
+            .saturating_mul(u64::from(self.swa_state_tokens))
+            .saturating_mul(u64::from(self.swa_bytes_per_token_layer))
     }
 
     /// Layers of the ordinary decoder-only model used as the compute baseline.
     pub fn total_layers(&self) -> u32 {
-        self.encoder_layers + self.decoder_layers
+        self.encoder_layers.saturating_add(self.decoder_layers)
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -79,6 +79,7 @@ impl ServingConstants {
         for (name, v) in [
             ("window_tokens", self.window_tokens),
             ("block_tokens", self.block_tokens),
+            ("draft_tokens", self.draft_tokens),
             ("encoder_layers", self.encoder_layers),
             ("decoder_layers", self.decoder_layers),
             ("kv_bytes_per_token", self.kv_bytes_per_token),
@@ -87,13 +88,52 @@ impl ServingConstants {
                 return field(name, "must be positive".into());
             }
         }
-        if self.backtrack_tokens < self.draft_tokens + 1 {
+        // Bounds far above any model, low enough that every sum and product of constants
+        // (and of a prompt length with them) fits its integer type.
+        for (name, v, max) in [
+            ("window_tokens", self.window_tokens, MAX_TOKENS),
+            ("block_tokens", self.block_tokens, MAX_TOKENS),
+            ("draft_tokens", self.draft_tokens, MAX_DRAFT_TOKENS),
+            ("backtrack_tokens", self.backtrack_tokens, MAX_TOKENS),
+            (
+                "decoder_replay_tokens",
+                self.decoder_replay_tokens,
+                MAX_TOKENS,
+            ),
+            (
+                "exact_rebuild_tokens",
+                self.exact_rebuild_tokens,
+                MAX_TOKENS,
+            ),
+            ("swa_state_tokens", self.swa_state_tokens, MAX_TOKENS),
+            ("encoder_layers", self.encoder_layers, MAX_LAYERS),
+            ("decoder_layers", self.decoder_layers, MAX_LAYERS),
+            ("swa_state_layers", self.swa_state_layers, MAX_LAYERS),
+            (
+                "kv_bytes_per_token",
+                self.kv_bytes_per_token,
+                MAX_BYTES_PER_TOKEN,
+            ),
+            (
+                "swa_bytes_per_token_layer",
+                self.swa_bytes_per_token_layer,
+                MAX_BYTES_PER_TOKEN,
+            ),
+        ] {
+            if v > max {
+                return field(
+                    name,
+                    format!("{v} is more than the largest accepted, {max}"),
+                );
+            }
+        }
+        if u64::from(self.backtrack_tokens) < u64::from(self.draft_tokens) + 1 {
             return field(
                 "backtrack_tokens",
                 format!(
                     "{} is less than draft_tokens + 1 = {}",
                     self.backtrack_tokens,
-                    self.draft_tokens + 1
+                    u64::from(self.draft_tokens) + 1
                 ),
             );
         }
@@ -117,6 +157,15 @@ impl ServingConstants {
     }
 }
 
+/// The largest token constant accepted (2^24 = 16.8M tokens).
+pub const MAX_TOKENS: u32 = 1 << 24;
+/// The largest DSpark draft block accepted.
+pub const MAX_DRAFT_TOKENS: u32 = 64;
+/// The largest layer count accepted.
+pub const MAX_LAYERS: u32 = 4096;
+/// The largest per-token byte size accepted (16 MiB).
+pub const MAX_BYTES_PER_TOKEN: u32 = 1 << 24;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,6 +188,40 @@ mod tests {
         };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("decoder_replay_tokens"), "{e}");
+    }
+
+    /// Sums that used to wrap (`draft_tokens + 1` at `u32::MAX`) are refused, and so is a
+    /// zero draft block (the acceptance model divides by it).
+    #[test]
+    fn extreme_values_are_refused_not_wrapped() {
+        for c in [
+            ServingConstants {
+                draft_tokens: u32::MAX,
+                backtrack_tokens: 0,
+                ..Default::default()
+            },
+            ServingConstants {
+                window_tokens: u32::MAX,
+                ..Default::default()
+            },
+            ServingConstants {
+                swa_state_layers: u32::MAX,
+                swa_state_tokens: u32::MAX,
+                swa_bytes_per_token_layer: u32::MAX,
+                ..Default::default()
+            },
+        ] {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("largest accepted"), "{e}");
+        }
+        let e = ServingConstants {
+            draft_tokens: 0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("constants.draft_tokens"), "{e}");
     }
 
     #[test]

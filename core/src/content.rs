@@ -124,6 +124,25 @@ impl ContentChain {
     }
 }
 
+/// The most full blocks one chain holds: 2^24 keys, 128 MiB (a 2-billion-token context at
+/// 128-token blocks). Beyond it [`ChainBuilder::try_push`] refuses, so no length read from a
+/// trace or drawn by a generator can take the machine's memory through one chain.
+pub const MAX_CHAIN_BLOCKS: u64 = 1 << 24;
+
+/// A segment that would make its chain too long (see [`ChainBuilder::try_push`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "a context of {have} + {add} tokens is longer than a chain holds (2^32 - 1 tokens, and \
+     2^24 blocks of {block_tokens} tokens)"
+)]
+pub struct ChainOverflow {
+    /// Tokens already in the chain.
+    pub have: u32,
+    /// Tokens of the refused segment.
+    pub add: u32,
+    pub block_tokens: u32,
+}
+
 /// Builds a [`ContentChain`] segment by segment; cost is O(tokens / block) per segment.
 #[derive(Clone, Debug)]
 pub struct ChainBuilder {
@@ -155,7 +174,39 @@ impl ChainBuilder {
     }
 
     /// Appends `tokens` tokens of segment `id` (a zero-length segment is ignored).
+    ///
+    /// # Panics
+    /// If the chain would pass 2^32 − 1 tokens or [`MAX_CHAIN_BLOCKS`] blocks. Lengths that come
+    /// from input go through [`Self::try_push`], which returns the error instead.
     pub fn push(&mut self, id: SegmentId, tokens: u32) -> &mut Self {
+        if let Err(e) = self.try_push(id, tokens) {
+            panic!("{e}");
+        }
+        self
+    }
+
+    /// Appends `tokens` tokens of segment `id`, or refuses (changing nothing) when the chain
+    /// would pass 2^32 − 1 tokens (the lengths would wrap) or [`MAX_CHAIN_BLOCKS`] blocks (its
+    /// keys would take more than 128 MiB).
+    pub fn try_push(&mut self, id: SegmentId, tokens: u32) -> Result<&mut Self, ChainOverflow> {
+        let overflow = ChainOverflow {
+            have: self.chain.total_tokens,
+            add: tokens,
+            block_tokens: self.chain.block_tokens,
+        };
+        let total = self
+            .chain
+            .total_tokens
+            .checked_add(tokens)
+            .ok_or(overflow)?;
+        if u64::from(total / self.chain.block_tokens) > MAX_CHAIN_BLOCKS {
+            return Err(overflow);
+        }
+        self.push_unchecked(id, tokens);
+        Ok(self)
+    }
+
+    fn push_unchecked(&mut self, id: SegmentId, tokens: u32) {
         let b = self.chain.block_tokens;
         let mut offset = 0u32;
         while offset < tokens {
@@ -187,7 +238,6 @@ impl ChainBuilder {
                 key,
             });
         }
-        self
     }
 
     pub fn finish(self) -> ContentChain {
@@ -250,6 +300,29 @@ mod tests {
         let a = chain(128, &[(7, 256)]);
         let b = chain(128, &[(8, 256)]);
         assert_ne!(a.full_blocks(256), b.full_blocks(256));
+    }
+
+    /// A context past 2^32 tokens used to wrap to a short prompt; now it is refused and the
+    /// chain is left as it was.
+    #[test]
+    fn overflow_is_refused_not_wrapped() {
+        let mut b = ChainBuilder::new(1 << 20);
+        b.try_push(SegmentId(1), u32::MAX - 10).unwrap();
+        let e = b.try_push(SegmentId(2), 300).unwrap_err();
+        assert_eq!((e.have, e.add), (u32::MAX - 10, 300));
+        assert_eq!(b.total_tokens(), u32::MAX - 10);
+        assert!(e.to_string().contains("longer than a chain holds"), "{e}");
+        // One block past the cap is refused before any key is made.
+        let mut b = ChainBuilder::new(16);
+        assert!(b.try_push(SegmentId(1), (16 << 24) + 16).is_err());
+        assert_eq!(b.total_tokens(), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "longer than a chain holds")]
+    fn push_panics_with_the_reason_on_overflow() {
+        let mut b = ChainBuilder::new(1 << 20);
+        b.push(SegmentId(1), u32::MAX).push(SegmentId(2), 1);
     }
 
     proptest! {

@@ -339,6 +339,9 @@ pub enum Infeasibility {
         implied_hit_rate: f64,
         max_output_share: f64,
     },
+    /// The hit rate is in range but a pool would hold less than one GPU (at output share 0
+    /// there is no decode pool at all): there are no 1 : 1 pools to speak of.
+    NoPools { prefill_gpus: f64, decode_gpus: f64 },
     /// The capacity count exceeds what revenue pays for.
     OverRevenue {
         gpus_needed: f64,
@@ -356,6 +359,14 @@ impl fmt::Display for Infeasibility {
                 f,
                 "1:1 prefill:decode pools imply hit rate {implied_hit_rate:.4} < 0: output share above \
                  {max_output_share:.4} (decode / (prefill + decode)) cannot balance the pools"
+            ),
+            Infeasibility::NoPools {
+                prefill_gpus,
+                decode_gpus,
+            } => write!(
+                f,
+                "no 1:1 pools: they would hold {prefill_gpus:.2} prefill and {decode_gpus:.2} \
+                 decode GPUs, less than one each (output share or load too small)"
             ),
             Infeasibility::OverRevenue {
                 gpus_needed,
@@ -422,7 +433,6 @@ pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
     let o = p.output_share;
     let t = p.tokens_per_day;
     let h_raw = implied_hit_rate(o, p.prefill_tps, p.decode_tps);
-    let pool_ratio_holds = (0.0..=1.0).contains(&h_raw);
     let h = h_raw.clamp(0.0, 1.0);
 
     let tokens = Split {
@@ -437,6 +447,10 @@ pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
     let prefill_gpus = tokens.miss / p.prefill_tokens_per_gpu_day();
     let decode_gpus = tokens.output / p.decode_tokens_per_gpu_day();
     let gpus_needed = prefill_gpus + decode_gpus;
+    // 1:1 pools need a hit rate in [0, 1] *and* pools to be 1:1: at output share 0 (or a load
+    // so small that a pool holds less than one GPU) there are none.
+    let pools_exist = prefill_gpus >= 1.0 && decode_gpus >= 1.0;
+    let pool_ratio_holds = (0.0..=1.0).contains(&h_raw) && pools_exist;
     let utilisation_needed = if gpus_from_revenue > 0.0 {
         Some(gpus_needed / gpus_from_revenue)
     } else if gpus_needed == 0.0 {
@@ -455,10 +469,15 @@ pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
     };
 
     let mut infeasible_reasons = Vec::new();
-    if !pool_ratio_holds {
+    if !(0.0..=1.0).contains(&h_raw) {
         infeasible_reasons.push(Infeasibility::PoolRatio {
             implied_hit_rate: h_raw,
             max_output_share: max_output_share(p.prefill_tps, p.decode_tps),
+        });
+    } else if !pools_exist {
+        infeasible_reasons.push(Infeasibility::NoPools {
+            prefill_gpus,
+            decode_gpus,
         });
     }
     if gpus_needed > gpus_from_revenue {
@@ -468,17 +487,19 @@ pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
         });
     }
 
-    Ok(EconEstimate {
+    let estimate = EconEstimate {
         output_share: o,
         hit_rate_implied: h_raw,
         hit_rate: h,
         pool_ratio_holds,
         tokens_per_day: tokens,
-        token_share: tokens.shares().unwrap_or(Split {
-            hit: 0.0,
-            miss: 0.0,
-            output: 0.0,
-        }),
+        // From the mix itself, not from the token counts (which underflow for a tiny T): the
+        // shares always sum to 1.
+        token_share: Split {
+            hit: h * (1.0 - o),
+            miss: (1.0 - h) * (1.0 - o),
+            output: o,
+        },
         revenue_usd_per_day: revenue,
         revenue_share: revenue.shares(),
         revenue_per_day,
@@ -497,7 +518,79 @@ pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
         cache_days_at_gpus_needed: cache_days(gpus_needed),
         feasible: infeasible_reasons.is_empty(),
         infeasible_reasons,
-    })
+    };
+    estimate.check()?;
+    Ok(estimate)
+}
+
+impl EconEstimate {
+    /// Every figure is finite, shares lie in [0, 1] and sum to 1: inputs so extreme that a
+    /// product overflows (or a quotient divides by an underflowed value) are refused here, so no
+    /// `inf` or `NaN` is ever printed.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let mut figures = vec![
+            ("hit rate", self.hit_rate_implied),
+            ("revenue per day", self.revenue_per_day),
+            ("GPUs implied by revenue", self.gpus_from_revenue),
+            ("prefill GPUs", self.prefill_gpus),
+            ("decode GPUs", self.decode_gpus),
+            ("GPUs needed", self.gpus_needed),
+            ("written bytes per day", self.written_bytes_per_day),
+            ("storage needed", self.storage_pib),
+            ("store band (physical)", self.store_band_gpus_physical),
+            ("store band (logical)", self.store_band_gpus_logical),
+        ];
+        for (name, s) in [
+            ("tokens per day", &self.tokens_per_day),
+            ("revenue", &self.revenue_usd_per_day),
+        ] {
+            figures.extend([(name, s.hit), (name, s.miss), (name, s.output)]);
+        }
+        figures.extend(self.utilisation_needed.map(|u| ("utilisation needed", u)));
+        figures.extend(self.cache_days_per_gpu.map(|d| ("cache days per GPU", d)));
+        figures.extend(
+            self.cache_days_at_gpus_needed
+                .map(|d| ("cache days per GPU", d)),
+        );
+        finite_figures(&figures)?;
+        shares_check("token share", &self.token_share)?;
+        if let Some(r) = &self.revenue_share {
+            shares_check("revenue share", r)?;
+        }
+        Ok(())
+    }
+}
+
+/// The field errors of out-of-range results name: the inputs as a whole.
+pub const INPUTS_FIELD: &str = "inputs";
+
+fn finite_figures(figures: &[(&str, f64)]) -> Result<(), ConfigError> {
+    match figures.iter().find(|(_, v)| !v.is_finite()) {
+        Some((name, v)) => Err(ConfigError::invalid(
+            INPUTS_FIELD,
+            format!(
+                "{name} comes out as {v}: the inputs are too large or too small for the \
+                 arithmetic (every figure must be a finite number)"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn shares_check(name: &str, s: &Split) -> Result<(), ConfigError> {
+    let parts = [s.hit, s.miss, s.output];
+    let in_range = parts.iter().all(|x| (0.0..=1.0).contains(x));
+    if !in_range || (s.total() - 1.0).abs() > 1e-9 {
+        return Err(ConfigError::invalid(
+            INPUTS_FIELD,
+            format!(
+                "the {name}s ({}, {}, {}) are not fractions summing to 1: the inputs are too \
+                 extreme for the arithmetic",
+                s.hit, s.miss, s.output
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Where the lines of the crossing chart cross, as output shares. Along the pool-ratio line
@@ -535,6 +628,13 @@ pub fn crossings(p: &EconParams) -> Result<Crossings, ConfigError> {
     let feasible_up_to = break_even.map_or(max_share, |x| x.min(max_share));
     let storage_limit = p.store_pib * BYTES_PER_PIB
         / ((1.0 + k) * t * p.bytes_per_token * p.ttl_days * p.ec_overhead);
+    let mut figures = vec![
+        ("max output share", max_share),
+        ("feasible output share", feasible_up_to),
+        ("storage-limited output share", storage_limit),
+    ];
+    figures.extend(break_even.map(|b| ("break-even output share", b)));
+    finite_figures(&figures)?;
     Ok(Crossings {
         max_output_share: max_share,
         break_even_output_share: break_even,
@@ -620,6 +720,19 @@ pub fn measured_day(day: &MeasuredDay, prices: &Prices) -> Result<MeasuredRevenu
     let revenue = prices.revenue_usd(&tokens);
     let revenue_per_day = revenue.total();
     let input = tokens.hit + tokens.miss;
+    finite_figures(&[
+        ("total tokens", tokens.total()),
+        ("revenue per day", revenue_per_day),
+        (
+            "revenue per GPU-hour",
+            revenue_per_day / (day.gpus * HOURS_PER_DAY),
+        ),
+        ("input tokens", input),
+    ])?;
+    shares_check("token share", &token_share)?;
+    if let Some(r) = revenue.shares() {
+        shares_check("revenue share", &r)?;
+    }
     Ok(MeasuredRevenue {
         revenue_per_day,
         revenue_per_gpu_hour: revenue_per_day / (day.gpus * HOURS_PER_DAY),
@@ -804,15 +917,18 @@ mod tests {
         assert_close!(e.decode_gpus, 5e11 / 6.912e8);
     }
 
+    /// Output share 0 needs no GPUs, so there are no 1:1 pools to report (issue 16: "1:1 pools"
+    /// of 0 prefill GPUs were printed as feasible).
     #[test]
-    fn zero_output_share_needs_no_gpus_and_is_feasible() {
+    fn zero_output_share_needs_no_gpus_and_has_no_pools() {
         let e = evaluate(&hand_params(0.0)).unwrap();
         assert_eq!(e.hit_rate, 1.0);
         assert_eq!(e.gpus_needed, 0.0);
         assert_close!(e.revenue_per_day, 3_000.0);
         assert_eq!(e.utilisation_needed, Some(0.0));
         assert_eq!(e.cache_days_per_gpu, None);
-        assert!(e.feasible);
+        assert!(!e.pool_ratio_holds && !e.feasible);
+        assert!(e.infeasible_reasons[0].to_string().contains("no 1:1 pools"));
     }
 
     #[test]
@@ -1142,6 +1258,65 @@ mod tests {
         }
     }
 
+    /// Extreme but individually valid inputs either give finite figures with shares in [0, 1]
+    /// or are refused: no inf or NaN reaches a table (issue 16).
+    #[test]
+    fn extreme_inputs_are_refused_not_printed() {
+        let base = EconParams::published(0.1);
+        for p in [
+            EconParams {
+                tokens_per_day: 1e308,
+                ..base
+            },
+            EconParams {
+                tokens_per_day: 1e300,
+                revenue_per_gpu_hour: 1e-300,
+                ..base
+            },
+            EconParams {
+                cache_per_gpu_tb: 1e-310,
+                ..base
+            },
+        ] {
+            match evaluate(&p) {
+                Ok(e) => panic!("accepted {p:?}: {e:?}"),
+                Err(ConfigError::Invalid { field, reason }) => {
+                    assert_eq!(field, INPUTS_FIELD);
+                    assert!(reason.contains("finite"), "{reason}");
+                }
+            }
+        }
+        // A tiny load: shares still sum to 1, and there are no pools to call 1:1.
+        let e = evaluate(&EconParams {
+            tokens_per_day: 5e-324,
+            ..base
+        })
+        .unwrap();
+        assert!(close(e.token_share.total(), 1.0));
+        assert!(!e.pool_ratio_holds && !e.feasible);
+        assert!(matches!(
+            e.infeasible_reasons[0],
+            Infeasibility::NoPools { .. }
+        ));
+        // Output share 0: no decode pool.
+        let e = evaluate(&EconParams::published(0.0)).unwrap();
+        assert!(!e.pool_ratio_holds);
+        let day = MeasuredDay {
+            hit_tokens: 1e308,
+            miss_tokens: 1e308,
+            output_tokens: 0.0,
+            gpus: 1.0,
+        };
+        assert!(measured_day(&day, &Prices::off_peak()).is_err());
+        let day = MeasuredDay {
+            hit_tokens: 1.0,
+            miss_tokens: 1.0,
+            output_tokens: 1.0,
+            gpus: 1e-320,
+        };
+        assert!(measured_day(&day, &Prices::off_peak()).is_err());
+    }
+
     proptest! {
         #[test]
         fn pools_are_equal_wherever_the_ratio_holds(
@@ -1154,8 +1329,9 @@ mod tests {
                                  efficiency: eff, ..EconParams::published(o) };
             let e = evaluate(&p).unwrap();
             let limit = max_output_share(prefill, decode);
-            prop_assert_eq!(e.pool_ratio_holds, e.hit_rate_implied >= 0.0);
-            if o < limit * (1.0 - 1e-9) {
+            let pools = e.prefill_gpus >= 1.0 && e.decode_gpus >= 1.0;
+            prop_assert_eq!(e.pool_ratio_holds, e.hit_rate_implied >= 0.0 && pools);
+            if o < limit * (1.0 - 1e-9) && pools {
                 prop_assert!(e.pool_ratio_holds);
                 prop_assert!(close(e.prefill_gpus, e.decode_gpus));
             }

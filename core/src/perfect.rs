@@ -27,7 +27,8 @@ impl PerfectCache {
         let run = blocks.iter().take_while(|k| self.seen.contains(k)).count() as u32;
         let b = run * bs;
         // A seen segment end inside the next block extends the hit below block granularity.
-        let hi = (b + bs - 1).min(req.prompt_tokens);
+        // (`b` is at most the prompt's length, which may sit just below 2^32.)
+        let hi = b.saturating_add(bs - 1).min(req.prompt_tokens);
         let best = req
             .content
             .marks_between(b, hi)

@@ -15,6 +15,9 @@ use crate::time::Nanos;
 use serde::{Deserialize, Serialize};
 
 const NIL: u32 = u32::MAX;
+/// The most storage nodes a store accounts for (a byte counter each): far beyond the 180 of
+/// SPEC §7, small enough that a mistyped count cannot take the machine's memory.
+pub const MAX_STORAGE_NODES: u32 = 1 << 20;
 /// How many keys ahead a run of lookups or writes prefetches its table slots: enough to overlap
 /// the misses of a run, few enough that the lines are still cached when used.
 const PREFETCH_AHEAD: usize = 16;
@@ -317,7 +320,25 @@ impl StoreConfig {
         if self.ec_data_shards == 0 {
             return bad("ec_data_shards", "must be positive".into());
         }
-        let group = self.ec_data_shards + self.ec_parity_shards;
+        if self.storage_nodes > MAX_STORAGE_NODES {
+            return bad(
+                "storage_nodes",
+                format!(
+                    "{} nodes is more than the {MAX_STORAGE_NODES} the store accounts for \
+                     (one byte counter per node)",
+                    self.storage_nodes
+                ),
+            );
+        }
+        let Some(group) = self.ec_data_shards.checked_add(self.ec_parity_shards) else {
+            return bad(
+                "ec_parity_shards",
+                format!(
+                    "{} data + {} parity shards overflows",
+                    self.ec_data_shards, self.ec_parity_shards
+                ),
+            );
+        };
         if self.storage_nodes < group {
             return bad(
                 "storage_nodes",
@@ -328,11 +349,24 @@ impl StoreConfig {
             );
         }
         for class in TrafficClass::ALL {
-            if self.ttl.get(class) == Some(Nanos::ZERO) {
-                return bad(
-                    &format!("ttl.{}", class.name()),
-                    "a zero TTL would expire blocks as they are written".into(),
-                );
+            let field = format!("ttl.{}", class.name());
+            match self.ttl.get(class) {
+                Some(Nanos::ZERO) => {
+                    return bad(
+                        &field,
+                        "a zero TTL would expire blocks as they are written".into(),
+                    );
+                }
+                Some(t) if t > Nanos::HORIZON => {
+                    return bad(
+                        &field,
+                        format!(
+                            "{t} is beyond the horizon of 146 years: leave the class out for \
+                             blocks that never expire"
+                        ),
+                    );
+                }
+                _ => {}
             }
         }
         Ok(())
@@ -491,6 +525,9 @@ impl KvStore {
     /// Moves the store's clock to `now` and deletes every object whose TTL has passed.
     /// Time never goes backwards: an earlier `now` is treated as the current time.
     pub fn advance(&mut self, now: Nanos) {
+        // The clock is finite: `NEVER` is not a time, and treating it as one would expire the
+        // objects that never expire.
+        let now = now.min(Nanos::MAX);
         if now > self.now {
             self.now = now;
         }
@@ -583,6 +620,12 @@ impl KvStore {
     }
 
     fn put_at_now(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> bool {
+        // KV accounting is exact integer arithmetic: an object whose bytes would overflow the
+        // counters cannot be stored (every other counter, per node included, is at most the
+        // bytes written).
+        if self.stats.bytes_written.checked_add(bytes).is_none() {
+            return false;
+        }
         if self.cfg.capacity_bytes.is_none() {
             return self.put_unbounded(key, bytes, class);
         }
@@ -763,9 +806,11 @@ impl KvStore {
     }
 
     fn expiry_for(&self, class: TrafficClass) -> Nanos {
+        // A finite TTL gives a finite expiry (at worst `Nanos::MAX`, which a saturated clock
+        // reaches); only a class without a TTL gets `NEVER`, which no clock reaches.
         match self.cfg.ttl.get(class) {
-            Some(ttl) => self.now.saturating_add(ttl),
-            None => Nanos::MAX,
+            Some(ttl) => self.now.saturating_add(ttl).min(Nanos::MAX),
+            None => Nanos::NEVER,
         }
     }
 
@@ -980,10 +1025,12 @@ impl KvStore {
         {
             return Err(format!("{bytes} bytes stored over capacity {cap}"));
         }
-        let node_total: u64 = self.node_bytes.iter().sum();
-        let group = u64::from(self.cfg.ec_data_shards + self.cfg.ec_parity_shards);
-        if node_total < bytes
-            || node_total > (bytes + count * u64::from(self.cfg.ec_data_shards)) * group
+        let node_total: u128 = self.node_bytes.iter().map(|&b| u128::from(b)).sum();
+        let group = u128::from(self.cfg.ec_data_shards) + u128::from(self.cfg.ec_parity_shards);
+        let bytes128 = u128::from(bytes);
+        if node_total < bytes128
+            || node_total
+                > (bytes128 + u128::from(count) * u128::from(self.cfg.ec_data_shards)) * group
         {
             return Err("node accounting drifted".into());
         }
@@ -1121,7 +1168,7 @@ mod tests {
         );
         let mut s = fresh();
         let h = s.expiry[TrafficClass::Agent as usize].head as usize;
-        s.slab[h].expires = Nanos::MAX;
+        s.slab[h].expires = Nanos::NEVER;
         assert!(s.check_invariants().is_err(), "expiry order");
         // The unbounded store keeps no LRU list: its stored objects are the slots not free.
         let mut s = fresh();
@@ -1236,6 +1283,55 @@ mod tests {
         assert_eq!(s.lookup_prefix(Nanos(1_000_000), &keys(3..4)), 1);
         assert_eq!(s.stats().expirations, 3);
         s.check_invariants().unwrap();
+    }
+
+    /// A clock that saturated (a huge time) is still a finite time: objects with a TTL expire
+    /// there, objects without one ("never") do not, and neither does `NEVER` as a `now`.
+    #[test]
+    fn a_saturated_clock_is_not_never() {
+        let cfg = StoreConfig {
+            ttl: ClassTtl {
+                agent: Some(Nanos::from_secs(3 * 86_400)),
+                chat: None,
+                other: None,
+            },
+            ..Default::default()
+        };
+        let mut s = KvStore::new(cfg, 10).unwrap();
+        s.touch_or_insert(Nanos(0), &keys(0..1), TrafficClass::Agent);
+        s.touch_or_insert(Nanos(0), &keys(1..2), TrafficClass::Chat);
+        assert_eq!(s.lookup_prefix(Nanos::NEVER, &keys(1..2)), 1);
+        assert_eq!(s.lookup_prefix(Nanos::MAX, &keys(0..1)), 0);
+        assert_eq!(s.lookup_prefix(Nanos::MAX, &keys(1..2)), 1);
+        // Written at the saturated time with a TTL: expires at MAX, not never.
+        s.touch_or_insert(Nanos::MAX, &keys(5..6), TrafficClass::Agent);
+        assert_eq!(s.lookup_prefix(Nanos::MAX, &keys(5..6)), 0);
+        s.check_invariants().unwrap();
+        assert_eq!(s.stats().expirations, 2);
+    }
+
+    #[test]
+    fn config_sums_and_sizes_are_checked() {
+        let bad = |cfg: StoreConfig| cfg.validate(100).unwrap_err().to_string();
+        let e = bad(StoreConfig {
+            ec_data_shards: u32::MAX,
+            ec_parity_shards: 2,
+            storage_nodes: u32::MAX,
+            ..Default::default()
+        });
+        assert!(e.contains("storage_nodes"), "{e}");
+        let e = bad(StoreConfig {
+            ec_data_shards: u32::MAX,
+            ec_parity_shards: 2,
+            storage_nodes: 1000,
+            ..Default::default()
+        });
+        assert!(e.contains("overflows"), "{e}");
+        let e = bad(StoreConfig {
+            ttl: ClassTtl::uniform(Some(Nanos::NEVER)),
+            ..Default::default()
+        });
+        assert!(e.contains("horizon"), "{e}");
     }
 
     #[test]

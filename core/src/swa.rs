@@ -9,6 +9,13 @@ use crate::time::Nanos;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
+/// The most SWA slots (all machines together) a cache preallocates: 2^26, about 2.3 GB of
+/// bookkeeping and 95 TB of host memory at SPEC §5's 1.4 MB a state (the shipped configs use
+/// 800,000).
+pub const MAX_SWA_SLOTS: u64 = 1 << 26;
+/// Bookkeeping per slot: the slot, its free-list entry and order entry, and its directory share.
+const SLOT_BOOKKEEPING_BYTES: u64 = 36;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SwaConfig {
@@ -41,17 +48,25 @@ impl SwaConfig {
                 "must be positive",
             ));
         }
-        if u64::from(self.machines) * u64::from(self.slots_per_machine) >= u64::from(u32::MAX) {
+        let total = u64::from(self.machines) * u64::from(self.slots_per_machine);
+        if total > MAX_SWA_SLOTS {
             return Err(ConfigError::invalid(
                 "swa.slots_per_machine",
                 format!(
-                    "{} machines × {} slots is more than 2^32 - 2 slots",
-                    self.machines, self.slots_per_machine
+                    "{} machines × {} slots = {total} slots is more than the {MAX_SWA_SLOTS} \
+                     the cache preallocates (about {} bytes of bookkeeping each)",
+                    self.machines, self.slots_per_machine, SLOT_BOOKKEEPING_BYTES
                 ),
             ));
         }
         if self.lifetime == Nanos::ZERO {
             return Err(ConfigError::invalid("swa.lifetime", "must be positive"));
+        }
+        if self.lifetime > Nanos::HORIZON {
+            return Err(ConfigError::invalid(
+                "swa.lifetime",
+                format!("{} is beyond the horizon of 146 years", self.lifetime),
+            ));
         }
         Ok(())
     }
@@ -234,7 +249,7 @@ impl SwaCache {
             dir: SwaDir::new(),
             machines,
             now: Nanos::ZERO,
-            next_expiry: Nanos::MAX,
+            next_expiry: Nanos::NEVER,
             stats: SwaStats::default(),
         })
     }
@@ -258,13 +273,15 @@ impl SwaCache {
 
     /// Drops every state older than its lifetime.
     pub fn advance(&mut self, now: Nanos) {
+        // The clock is finite (`NEVER` is not a time).
+        let now = now.min(Nanos::MAX);
         if now > self.now {
             self.now = now;
         }
         if self.now < self.next_expiry {
             return;
         }
-        let mut next = Nanos::MAX;
+        let mut next = Nanos::NEVER;
         for mi in 0..self.machines.len() {
             while let Some(&(slot, at)) = self.machines[mi].order.front() {
                 let expires = at.saturating_add(self.cfg.lifetime);
@@ -424,6 +441,32 @@ mod tests {
         assert_eq!(c.lookup(Nanos(179), BlockKey(7)), Some(MachineId(1)));
         assert_eq!(c.lookup(Nanos(180), BlockKey(7)), None);
         assert_eq!(c.stats().expirations, 1);
+        c.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn sizes_and_lifetimes_are_bounded() {
+        let e = SwaConfig {
+            machines: 1 << 16,
+            slots_per_machine: 1 << 16,
+            lifetime: Nanos(1),
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("swa.slots_per_machine"), "{e}");
+        let e = SwaConfig {
+            lifetime: Nanos::NEVER,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("horizon"), "{e}");
+        // A saturated clock expires states; it is a time, not "never".
+        let mut c = SwaCache::new(cfg(2)).unwrap();
+        c.store(Nanos(0), MachineId(0), BlockKey(1));
+        assert_eq!(c.lookup(Nanos::NEVER, BlockKey(1)), None);
         c.check_invariants().unwrap();
     }
 

@@ -245,8 +245,38 @@ pub struct RankStep {
 /// per call, many enough that the bucket holding the cut has only a handful of drafts.
 const RANK_BUCKETS: usize = 256;
 
+/// The most drafts per sequence-step the tabulated model handles (its rows pack counts in a
+/// byte; DSpark drafts 5): the bound `constants.draft_tokens` is validated against.
+pub const MAX_DRAFTS: u32 = servelab_core::consts::MAX_DRAFT_TOKENS;
+
+/// Refuses a draft count the model cannot tabulate: zero (there is nothing to accept, and the
+/// rows would be empty) or more than [`MAX_DRAFTS`]. `field` names the config key.
+pub fn validate_drafts(drafts: u32, field: &str) -> Result<(), ConfigError> {
+    if drafts == 0 || drafts > MAX_DRAFTS {
+        return Err(ConfigError::invalid(
+            field,
+            format!("{drafts} drafts per step: the acceptance model takes 1 to {MAX_DRAFTS}"),
+        ));
+    }
+    Ok(())
+}
+
 impl AcceptanceTable {
+    /// [`Self::new`] for inputs that come from a config: the model and the draft count are
+    /// validated first.
+    pub fn try_new(m: &AcceptanceModel, drafts: u32, seed: u64) -> Result<Self, ConfigError> {
+        m.validate()?;
+        validate_drafts(drafts, "constants.draft_tokens")?;
+        Ok(Self::new(m, drafts, seed))
+    }
+
+    /// # Panics
+    /// If `drafts` is 0 or above [`MAX_DRAFTS`] (configs go through [`validate_drafts`] or
+    /// [`Self::try_new`] first).
     pub fn new(m: &AcceptanceModel, drafts: u32, seed: u64) -> Self {
+        if let Err(e) = validate_drafts(drafts, "draft_tokens") {
+            panic!("{e}");
+        }
         let d = drafts as usize;
         let k = m.profiles as usize;
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -740,6 +770,18 @@ impl AcceptanceTable {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn zero_and_too_many_drafts_are_refused() {
+        for d in [0, MAX_DRAFTS + 1, u32::MAX] {
+            let e = validate_drafts(d, "point.draft_tokens")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("point.draft_tokens"), "{e}");
+            assert!(AcceptanceTable::try_new(&AcceptanceModel::default(), d, 1).is_err());
+        }
+        assert!(AcceptanceTable::try_new(&AcceptanceModel::default(), 1, 1).is_ok());
+    }
+
     use super::*;
     use proptest::prelude::*;
     use servelab_core::engine::dspark::split_budget;

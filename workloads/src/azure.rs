@@ -82,26 +82,32 @@ pub fn read(
 
     let origin = rows.iter().map(|r| r.time_ns).min().unwrap_or(0);
     let mut requests = Vec::with_capacity(rows.len());
+    let mut budget = crate::BlockBudget::default();
     for (i, row) in rows.iter().enumerate() {
-        let arrival = u64::try_from(row.time_ns - origin).map_err(|_| {
-            Ctx {
-                path: path_for_errors,
-                line: row.line,
-            }
-            .field(TIMESTAMP, "more than 584 years after the earliest row")
-        })?;
+        let ctx = Ctx {
+            path: path_for_errors,
+            line: row.line,
+        };
+        let arrival = u64::try_from(row.time_ns - origin)
+            .map_err(|_| "more than 584 years".to_string())
+            .and_then(|ns| Nanos(ns).within_horizon())
+            .map_err(|e| ctx.field(TIMESTAMP, format!("{e} after the earliest row")))?;
         let i = i as u64;
         let mut b = ChainBuilder::new(opts.block_tokens);
-        b.push(SegmentId(2 * i), row.context_tokens)
-            .push(SegmentId(2 * i + 1), row.generated_tokens);
+        b.try_push(SegmentId(2 * i), row.context_tokens)
+            .map_err(|e| ctx.field(CONTEXT, e.to_string()))?
+            .try_push(SegmentId(2 * i + 1), row.generated_tokens)
+            .map_err(|e| ctx.field(GENERATED, e.to_string()))?;
+        let b = b.finish();
+        budget.charge(&b).map_err(|e| ctx.line_error(e))?;
         requests.push(Request {
             id: RequestId(i),
             session: None,
             class: opts.class,
-            arrival: Nanos(arrival),
+            arrival,
             prompt_tokens: row.context_tokens,
             output_tokens: row.generated_tokens,
-            content: Arc::new(b.finish()),
+            content: Arc::new(b),
         });
     }
     Ok(Trace::new(opts.block_tokens, requests))
@@ -144,6 +150,19 @@ fn cell(s: &str) -> &str {
 impl Columns {
     fn from_header(ctx: &Ctx<'_>, text: &str) -> Result<Self, TraceError> {
         let names: Vec<String> = text.split(',').map(|s| cell(s).to_string()).collect();
+        for (i, n) in names.iter().enumerate().filter(|(_, n)| !n.is_empty()) {
+            if let Some(j) = names[..i].iter().position(|m| m.eq_ignore_ascii_case(n)) {
+                return Err(ctx.field(
+                    n.as_str(),
+                    format!(
+                        "the header names this column twice (columns {} and {}): which one \
+                         holds the values is ambiguous",
+                        j + 1,
+                        i + 1
+                    ),
+                ));
+            }
+        }
         let find = |want: &str| {
             names
                 .iter()
@@ -170,9 +189,13 @@ impl Columns {
     fn row(&self, ctx: &Ctx<'_>, text: &str) -> Result<Row, TraceError> {
         let cells: Vec<&str> = text.split(',').map(cell).collect();
         if cells.len() < self.count {
-            let missing = &self.names[cells.len()];
+            let missing = match self.names[cells.len()].as_str() {
+                // A header cell with no name (a trailing comma): name it by position.
+                "" => format!("column {}", cells.len() + 1),
+                name => name.to_string(),
+            };
             return Err(ctx.field(
-                missing.as_str(),
+                missing,
                 format!(
                     "missing: the row has {} columns, the header {}",
                     cells.len(),

@@ -8,8 +8,8 @@
 //! output exists. Each session draws from its own RNG stream (seeded from the run seed, the
 //! class and the session index), so changing the number of sessions does not change the others.
 
-use crate::Trace;
 use crate::dist::Dist;
+use crate::{MAX_GENERATED_REQUESTS, Trace};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -190,7 +190,9 @@ impl WorkloadConfig {
         if let Some(a) = &self.agent {
             let f = |n: &str| format!("workload.agent.{n}");
             rate(a.session_rate_per_s, &f("session_rate_per_s"))?;
+            at_most_generated(a.sessions, &f("sessions"))?;
             positive(a.system_prompts, &f("system_prompts"))?;
+            at_most_generated(a.system_prompts, &f("system_prompts"))?;
             a.turns.validate(&f("turns"))?;
             a.system_prompt_tokens
                 .validate(&f("system_prompt_tokens"))?;
@@ -208,7 +210,9 @@ impl WorkloadConfig {
         if let Some(c) = &self.chat {
             let f = |n: &str| format!("workload.chat.{n}");
             rate(c.session_rate_per_s, &f("session_rate_per_s"))?;
+            at_most_generated(c.sessions, &f("sessions"))?;
             positive(c.system_prompts, &f("system_prompts"))?;
+            at_most_generated(c.system_prompts, &f("system_prompts"))?;
             c.turns.validate(&f("turns"))?;
             c.system_prompt_tokens
                 .validate(&f("system_prompt_tokens"))?;
@@ -220,7 +224,9 @@ impl WorkloadConfig {
         if let Some(d) = &self.documents {
             let f = |n: &str| format!("workload.documents.{n}");
             rate(d.rate_per_s, &f("rate_per_s"))?;
+            at_most_generated(d.requests, &f("requests"))?;
             positive(d.system_prompts, &f("system_prompts"))?;
+            at_most_generated(d.system_prompts, &f("system_prompts"))?;
             d.system_prompt_tokens
                 .validate(&f("system_prompt_tokens"))?;
             d.document_tokens.validate(&f("document_tokens"))?;
@@ -248,6 +254,16 @@ fn positive(v: u32, field: &str) -> Result<(), ConfigError> {
     } else {
         Err(ConfigError::invalid(field, "must be positive"))
     }
+}
+/// A count of sessions, requests or system prompts: at most what a generator makes.
+fn at_most_generated(v: u32, field: &str) -> Result<(), ConfigError> {
+    if u64::from(v) > MAX_GENERATED_REQUESTS {
+        return Err(ConfigError::invalid(
+            field,
+            format!("{v} is more than the {MAX_GENERATED_REQUESTS} a workload may generate"),
+        ));
+    }
+    Ok(())
 }
 fn probability(v: f64, field: &str) -> Result<(), ConfigError> {
     if (0.0..=1.0).contains(&v) {
@@ -280,7 +296,7 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
             "must be positive",
         ));
     }
-    let mut drafts = Vec::new();
+    let mut out = Out::default();
     let mut next_session = 0u64;
     if let Some(a) = &cfg.agent {
         gen_agent(
@@ -289,8 +305,8 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
             block_tokens,
             cfg.diurnal.as_ref(),
             &mut next_session,
-            &mut drafts,
-        );
+            &mut out,
+        )?;
     }
     if let Some(c) = &cfg.chat {
         gen_chat(
@@ -299,8 +315,8 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
             block_tokens,
             cfg.diurnal.as_ref(),
             &mut next_session,
-            &mut drafts,
-        );
+            &mut out,
+        )?;
     }
     if let Some(d) = &cfg.documents {
         gen_documents(
@@ -308,9 +324,10 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
             sub_seed(seed, "workload.documents"),
             block_tokens,
             cfg.diurnal.as_ref(),
-            &mut drafts,
-        );
+            &mut out,
+        )?;
     }
+    let mut drafts = out.drafts;
     // Ids follow arrival order; ties by class, session and turn, so they are stable.
     drafts.sort_by_key(|d| (d.arrival, d.class, d.session, d.turn));
     let requests = drafts
@@ -327,6 +344,65 @@ pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Tr
         })
         .collect();
     Ok(Trace::new(block_tokens, requests))
+}
+
+/// What the generators emit, and what it costs: refused past [`MAX_GENERATED_REQUESTS`]
+/// requests or [`crate::MAX_TRACE_BLOCKS`] block keys, so no config can ask for unbounded work.
+#[derive(Default)]
+struct Out {
+    drafts: Vec<Draft>,
+    blocks: crate::BlockBudget,
+}
+
+impl Out {
+    fn push(&mut self, d: Draft, field: &str) -> Result<(), ConfigError> {
+        if self.drafts.len() as u64 >= MAX_GENERATED_REQUESTS {
+            return Err(ConfigError::invalid(
+                field,
+                format!(
+                    "the workload makes more than {MAX_GENERATED_REQUESTS} requests: lower the \
+                     sessions, requests or turns"
+                ),
+            ));
+        }
+        self.drafts.push(d);
+        Ok(())
+    }
+    fn charge(
+        &mut self,
+        chain: &servelab_core::ContentChain,
+        field: &str,
+    ) -> Result<(), ConfigError> {
+        self.blocks
+            .charge(chain)
+            .map_err(|e| ConfigError::invalid(field, e))
+    }
+}
+
+/// A generated time, refused past the horizon (a tiny rate or a long think time would
+/// otherwise saturate, and a saturated time breaks every TTL).
+fn arrival(t_s: f64, field: &str) -> Result<Nanos, ConfigError> {
+    Nanos::try_from_secs_f64(t_s).map_err(|e| {
+        ConfigError::invalid(
+            field,
+            format!("a generated arrival at {e}: raise the rate or shorten the think times"),
+        )
+    })
+}
+
+/// Appends a segment, refusing a context past what a chain holds.
+fn push_segment(
+    chain: &mut ChainBuilder,
+    id: SegmentId,
+    tokens: u32,
+    field: &str,
+) -> Result<(), ConfigError> {
+    chain.try_push(id, tokens).map(|_| ()).map_err(|e| {
+        ConfigError::invalid(
+            field,
+            format!("{e}: the token distributions draw a context that long"),
+        )
+    })
 }
 
 /// Session start times: a Poisson process from its own stream.
@@ -358,28 +434,45 @@ fn fresh(rng: &mut ChaCha8Rng) -> SegmentId {
 struct Epoch {
     chain: ChainBuilder,
     turns: Vec<(u32, u32, Nanos, u32)>, // prompt, output, arrival, turn index
+    /// The config section, for errors.
+    field: &'static str,
 }
 
 impl Epoch {
-    fn new(block_tokens: u32) -> Self {
+    fn new(block_tokens: u32, field: &'static str) -> Self {
         Epoch {
             chain: ChainBuilder::new(block_tokens),
             turns: Vec::new(),
+            field,
         }
     }
-    fn flush(self, session: u64, class: TrafficClass, out: &mut Vec<Draft>) {
-        let content = Arc::new(self.chain.finish());
+    fn push(&mut self, id: SegmentId, tokens: u32) -> Result<(), ConfigError> {
+        push_segment(&mut self.chain, id, tokens, self.field)
+    }
+    fn turn(&mut self, prompt: u32, reply: u32, t_s: f64, turn: u32) -> Result<(), ConfigError> {
+        let at = arrival(t_s, self.field)?;
+        self.turns.push((prompt, reply, at, turn));
+        Ok(())
+    }
+    fn flush(self, session: u64, class: TrafficClass, out: &mut Out) -> Result<(), ConfigError> {
+        let chain = self.chain.finish();
+        out.charge(&chain, self.field)?;
+        let content = Arc::new(chain);
         for (p, o, arrival, turn) in self.turns {
-            out.push(Draft {
-                session: Some(session),
-                turn,
-                class,
-                arrival,
-                prompt_tokens: p,
-                output_tokens: o,
-                content: content.clone(),
-            });
+            out.push(
+                Draft {
+                    session: Some(session),
+                    turn,
+                    class,
+                    arrival,
+                    prompt_tokens: p,
+                    output_tokens: o,
+                    content: content.clone(),
+                },
+                self.field,
+            )?;
         }
+        Ok(())
     }
 }
 
@@ -412,24 +505,21 @@ impl SessionStart {
         turns: &Dist,
         system_tag: &str,
         sys_len: &[u32],
-        bs: u32,
-    ) -> Self {
+        mut epoch: Epoch,
+    ) -> Result<Self, ConfigError> {
         let session = *next_session;
         *next_session += 1;
         let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, index as u64));
         let sys = rng.random_range(0..sys_len.len() as u32) as usize;
         let turns = turns.tokens(&mut rng, 1);
-        let mut epoch = Epoch::new(bs);
-        epoch
-            .chain
-            .push(system_segment(system_tag, sys as u64), sys_len[sys]);
-        SessionStart {
+        epoch.push(system_segment(system_tag, sys as u64), sys_len[sys])?;
+        Ok(SessionStart {
             session,
             rng,
             sys,
             turns,
             epoch,
-        }
+        })
     }
 }
 
@@ -439,8 +529,9 @@ fn gen_agent(
     bs: u32,
     diurnal: Option<&Diurnal>,
     next_session: &mut u64,
-    out: &mut Vec<Draft>,
-) {
+    out: &mut Out,
+) -> Result<(), ConfigError> {
+    const F: &str = "workload.agent";
     let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
     let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     for (si, &start) in starts.iter().enumerate() {
@@ -457,19 +548,15 @@ fn gen_agent(
             &c.turns,
             "agent.system",
             &sys_len,
-            bs,
-        );
-        epoch
-            .chain
-            .push(fresh(&mut rng), c.task_tokens.tokens(&mut rng, 1));
+            Epoch::new(bs, F),
+        )?;
+        epoch.push(fresh(&mut rng), c.task_tokens.tokens(&mut rng, 1))?;
         let mut t = start;
         for turn in 0..turns {
             let prompt = epoch.chain.total_tokens();
             let reply = c.reply_tokens.tokens(&mut rng, 1);
-            epoch
-                .turns
-                .push((prompt, reply, Nanos::from_secs_f64(t), turn));
-            epoch.chain.push(fresh(&mut rng), reply);
+            epoch.turn(prompt, reply, t, turn)?;
+            epoch.push(fresh(&mut rng), reply)?;
             t += c.pacing.service(reply) + c.think_time_s.sample(&mut rng);
             if turn + 1 == turns {
                 break;
@@ -481,17 +568,16 @@ fn gen_agent(
             });
             if let (true, Some(k)) = (compact, c.compaction.as_ref()) {
                 let summary = k.summary_tokens.tokens(&mut rng, 1);
-                let old = std::mem::replace(&mut epoch, Epoch::new(bs));
-                old.flush(session, TrafficClass::Agent, out);
-                epoch
-                    .chain
-                    .push(system_segment("agent.system", sys as u64), sys_len[sys]);
-                epoch.chain.push(fresh(&mut rng), summary);
+                let old = std::mem::replace(&mut epoch, Epoch::new(bs, F));
+                old.flush(session, TrafficClass::Agent, out)?;
+                epoch.push(system_segment("agent.system", sys as u64), sys_len[sys])?;
+                epoch.push(fresh(&mut rng), summary)?;
             }
-            epoch.chain.push(fresh(&mut rng), tool);
+            epoch.push(fresh(&mut rng), tool)?;
         }
-        epoch.flush(session, TrafficClass::Agent, out);
+        epoch.flush(session, TrafficClass::Agent, out)?;
     }
+    Ok(())
 }
 
 fn gen_chat(
@@ -500,8 +586,9 @@ fn gen_chat(
     bs: u32,
     diurnal: Option<&Diurnal>,
     next_session: &mut u64,
-    out: &mut Vec<Draft>,
-) {
+    out: &mut Out,
+) -> Result<(), ConfigError> {
+    const F: &str = "workload.chat";
     let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
     let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     for (si, &start) in starts.iter().enumerate() {
@@ -518,23 +605,20 @@ fn gen_chat(
             &c.turns,
             "chat.system",
             &sys_len,
-            bs,
-        );
+            Epoch::new(bs, F),
+        )?;
         let mut t = start;
         for turn in 0..turns {
-            epoch
-                .chain
-                .push(fresh(&mut rng), c.user_tokens.tokens(&mut rng, 1));
+            epoch.push(fresh(&mut rng), c.user_tokens.tokens(&mut rng, 1))?;
             let prompt = epoch.chain.total_tokens();
             let reply = c.reply_tokens.tokens(&mut rng, 1);
-            epoch
-                .turns
-                .push((prompt, reply, Nanos::from_secs_f64(t), turn));
-            epoch.chain.push(fresh(&mut rng), reply);
+            epoch.turn(prompt, reply, t, turn)?;
+            epoch.push(fresh(&mut rng), reply)?;
             t += c.pacing.service(reply) + c.think_time_s.sample(&mut rng);
         }
-        epoch.flush(session, TrafficClass::Chat, out);
+        epoch.flush(session, TrafficClass::Chat, out)?;
     }
+    Ok(())
 }
 
 fn gen_documents(
@@ -542,8 +626,9 @@ fn gen_documents(
     seed: u64,
     bs: u32,
     diurnal: Option<&Diurnal>,
-    out: &mut Vec<Draft>,
-) {
+    out: &mut Out,
+) -> Result<(), ConfigError> {
+    const F: &str = "workload.documents";
     let starts = poisson_starts(c.requests, c.rate_per_s, hash2(seed, 0xa5), diurnal);
     let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
     // Documents seen so far: (segment, tokens, system prompt it was sent with).
@@ -563,22 +648,38 @@ fn gen_documents(
             d
         };
         let mut chain = ChainBuilder::new(bs);
-        chain.push(system_segment("documents.system", sys as u64), sys_len[sys]);
-        chain.push(doc, doc_len);
-        chain.push(fresh(&mut rng), c.question_tokens.tokens(&mut rng, 1));
+        push_segment(
+            &mut chain,
+            system_segment("documents.system", sys as u64),
+            sys_len[sys],
+            F,
+        )?;
+        push_segment(&mut chain, doc, doc_len, F)?;
+        push_segment(
+            &mut chain,
+            fresh(&mut rng),
+            c.question_tokens.tokens(&mut rng, 1),
+            F,
+        )?;
         let prompt = chain.total_tokens();
         let answer = c.answer_tokens.tokens(&mut rng, 1);
-        chain.push(fresh(&mut rng), answer);
-        out.push(Draft {
-            session: None,
-            turn: i as u32,
-            class: TrafficClass::Other,
-            arrival: Nanos::from_secs_f64(start),
-            prompt_tokens: prompt,
-            output_tokens: answer,
-            content: Arc::new(chain.finish()),
-        });
+        push_segment(&mut chain, fresh(&mut rng), answer, F)?;
+        let chain = chain.finish();
+        out.charge(&chain, F)?;
+        out.push(
+            Draft {
+                session: None,
+                turn: i as u32,
+                class: TrafficClass::Other,
+                arrival: arrival(start, F)?,
+                prompt_tokens: prompt,
+                output_tokens: answer,
+                content: Arc::new(chain),
+            },
+            F,
+        )?;
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -753,6 +854,63 @@ mod tests {
                 .to_string()
                 .contains("amplitude")
         );
+    }
+
+    /// Issue 16: a document longer than 2^32 tokens with its system prompt used to wrap to a
+    /// short prompt; a tiny session rate saturated arrival times (and with them every TTL).
+    /// Both are now errors naming the section.
+    #[test]
+    fn overflowing_contexts_and_times_are_refused() {
+        let docs = DocumentConfig {
+            requests: 2,
+            rate_per_s: 1.0,
+            system_prompts: 1,
+            system_prompt_tokens: fixed(1000.0),
+            document_tokens: fixed(4_294_967_000.0),
+            question_tokens: fixed(50.0),
+            answer_tokens: fixed(300.0),
+            repeat_probability: 0.0,
+        };
+        let e = generate(
+            &WorkloadConfig {
+                documents: Some(docs),
+                ..Default::default()
+            },
+            1,
+            1 << 20,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("workload.documents") && e.contains("longer than a chain holds"),
+            "{e}"
+        );
+        let mut a = agent();
+        a.session_rate_per_s = 1e-300;
+        let e = generate(
+            &WorkloadConfig {
+                agent: Some(a),
+                ..Default::default()
+            },
+            1,
+            128,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("workload.agent") && e.contains("horizon"), "{e}");
+        let mut a = agent();
+        a.sessions = u32::MAX;
+        let e = generate(
+            &WorkloadConfig {
+                agent: Some(a),
+                ..Default::default()
+            },
+            1,
+            128,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("workload.agent.sessions"), "{e}");
     }
 
     #[test]

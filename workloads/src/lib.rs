@@ -13,6 +13,37 @@ pub mod generate;
 pub mod mooncake;
 pub mod native;
 
+/// The longest trace line read (16 MiB); a longer one is an error, so a file with no line
+/// ends (`/dev/zero`) cannot take the machine's memory.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
+/// The most block keys one trace (imported or generated) holds: 2^28 keys, 2 GiB. A few bytes
+/// of a trace line can claim billions of tokens; this bounds what they cost.
+pub const MAX_TRACE_BLOCKS: u64 = 1 << 28;
+
+/// The most requests a generator makes (2^26): a config cannot ask for more work than that.
+pub const MAX_GENERATED_REQUESTS: u64 = 1 << 26;
+
+/// Counts the block keys of the chains a trace builds, refusing past [`MAX_TRACE_BLOCKS`].
+#[derive(Default)]
+pub(crate) struct BlockBudget {
+    blocks: u64,
+}
+
+impl BlockBudget {
+    pub(crate) fn charge(&mut self, chain: &servelab_core::ContentChain) -> Result<(), String> {
+        self.blocks += chain.full_blocks(chain.total_tokens()).len() as u64;
+        if self.blocks > MAX_TRACE_BLOCKS {
+            return Err(format!(
+                "the trace holds more than {MAX_TRACE_BLOCKS} blocks of {} tokens (2 GiB of keys): \
+                 use a larger block size or a shorter trace",
+                chain.block_tokens()
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Requests in arrival order (ties broken by id), all keyed at `block_tokens`.
 #[derive(Clone, Debug)]
 pub struct Trace {

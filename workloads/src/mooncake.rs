@@ -91,6 +91,7 @@ pub fn read(
     let block = block_tokens(opts, path_for_errors)?;
     let hash_block = opts.hash_block_tokens;
     let mut requests = Vec::new();
+    let mut budget = crate::BlockBudget::default();
     for_each_line(reader, path_for_errors, |ctx, text| {
         let index = requests.len() as u64;
         let rec = parse_record(&ctx, text, hash_block)?;
@@ -103,9 +104,13 @@ pub fn read(
             } else {
                 rec.input_tokens - hash_block * (n as u32 - 1)
             };
-            b.push(SegmentId(h), tokens);
+            b.try_push(SegmentId(h), tokens)
+                .map_err(|e| ctx.field("input_length", e.to_string()))?;
         }
-        b.push(SegmentId(GENERATED_SEGMENT_TAG | index), rec.output_tokens);
+        b.try_push(SegmentId(GENERATED_SEGMENT_TAG | index), rec.output_tokens)
+            .map_err(|e| ctx.field("output_length", e.to_string()))?;
+        let b = b.finish();
+        budget.charge(&b).map_err(|e| ctx.line_error(e))?;
         requests.push(Request {
             id: RequestId(index),
             session: None,
@@ -113,7 +118,7 @@ pub fn read(
             arrival: rec.arrival,
             prompt_tokens: rec.input_tokens,
             output_tokens: rec.output_tokens,
-            content: Arc::new(b.finish()),
+            content: Arc::new(b),
         });
         Ok(())
     })?;
@@ -136,20 +141,20 @@ struct Record {
 }
 
 fn parse_record(ctx: &Ctx<'_>, text: &str, hash_block: u32) -> Result<Record, TraceError> {
-    let value = ctx.parse_json(text)?;
-    let obj = ctx.object(&value)?;
+    let obj = ctx.parse_object(text)?;
     let get = |name: &str| obj.get(name).ok_or_else(|| ctx.field(name, "missing"));
 
     let ms = non_neg_number(ctx, "timestamp", get("timestamp")?)?;
     let ns = match get("timestamp")?.as_u64() {
         // Integer milliseconds (the published traces) convert exactly.
-        Some(ms) => ms.checked_mul(1_000_000),
-        None => {
-            let ns = (ms * 1e6).round();
-            (ns < 18_446_744_073_709_551_616.0).then_some(ns as u64)
-        }
+        Some(ms) => ms
+            .checked_mul(1_000_000)
+            .ok_or_else(|| format!("{ms} ms is too large"))
+            .and_then(|ns| Nanos(ns).within_horizon()),
+        None => Nanos::try_from_millis_f64(ms),
     }
-    .ok_or_else(|| ctx.field("timestamp", format!("{ms} ms is too large")))?;
+    .map_err(|e| ctx.field("timestamp", e))?
+    .0;
 
     let input_tokens = u32_value(ctx, "input_length", get("input_length")?)?;
     if input_tokens == 0 {

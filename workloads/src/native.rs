@@ -110,8 +110,8 @@ pub fn read(
     opts: &NativeOptions,
 ) -> Result<Trace, TraceError> {
     check_block_tokens(opts.block_tokens, path_for_errors)?;
-    let records = read_records(reader, path_for_errors)?;
-    Ok(build(opts.block_tokens, &records))
+    let (records, lines) = read_numbered(reader, path_for_errors)?;
+    build(opts.block_tokens, &records, &lines, path_for_errors)
 }
 
 /// Parses and validates every record (segment lengths consistent, totals in range).
@@ -119,15 +119,25 @@ pub fn read_records(
     reader: impl BufRead,
     path_for_errors: &Path,
 ) -> Result<Vec<NativeRecord>, TraceError> {
+    Ok(read_numbered(reader, path_for_errors)?.0)
+}
+
+/// The records and the line each came from.
+fn read_numbered(
+    reader: impl BufRead,
+    path_for_errors: &Path,
+) -> Result<(Vec<NativeRecord>, Vec<usize>), TraceError> {
     let mut records = Vec::new();
+    let mut lines = Vec::new();
     let mut checker = SegmentChecker::default();
     for_each_line(reader, path_for_errors, |ctx, text| {
         let record = parse_record(&ctx, text)?;
         checker.check(&ctx, &record)?;
         records.push(record);
+        lines.push(ctx.line);
         Ok(())
     })?;
-    Ok(records)
+    Ok((records, lines))
 }
 
 /// Builds a trace from records made in code, with the same checks as the reader (a record's
@@ -153,9 +163,13 @@ pub fn to_trace(
         if let NativeOutput::Segment(id, n) = r.output {
             check_segment(&ctx, "output", id.0, n)?;
         }
+        r.arrival
+            .within_horizon()
+            .map_err(|e| ctx.field("arrival_ns", e))?;
         checker.check(&ctx, r)?;
     }
-    Ok(build(block_tokens, records))
+    let lines: Vec<usize> = (1..=records.len()).collect();
+    build(block_tokens, records, &lines, name_for_errors)
 }
 
 /// Writes records as native JSONL, one per line (always `arrival_ns`, so times are exact).
@@ -199,34 +213,43 @@ fn check_block_tokens(block_tokens: u32, path: &Path) -> Result<(), TraceError> 
     Ok(())
 }
 
-/// Records are validated: every total fits in u32.
-fn build(block_tokens: u32, records: &[NativeRecord]) -> Trace {
-    let requests = records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let mut b = ChainBuilder::new(block_tokens);
-            for &(id, n) in &r.prompt {
-                b.push(id, n);
-            }
-            let prompt_tokens = b.total_tokens();
-            let output = match r.output {
-                NativeOutput::Segment(id, n) => (id, n),
-                NativeOutput::Tokens(n) => (SegmentId(GENERATED_SEGMENT_TAG | i as u64), n),
-            };
-            b.push(output.0, output.1);
-            Request {
-                id: RequestId(i as u64),
-                session: r.session,
-                class: r.class,
-                arrival: r.arrival,
-                prompt_tokens,
-                output_tokens: output.1,
-                content: Arc::new(b.finish()),
-            }
-        })
-        .collect();
-    Trace::new(block_tokens, requests)
+/// Records are validated (every total fits in u32); a chain past its block limit, or a trace
+/// past [`crate::MAX_TRACE_BLOCKS`], is an error naming the record's line.
+fn build(
+    block_tokens: u32,
+    records: &[NativeRecord],
+    lines: &[usize],
+    path: &Path,
+) -> Result<Trace, TraceError> {
+    let mut budget = crate::BlockBudget::default();
+    let mut requests = Vec::with_capacity(records.len());
+    for (i, (r, &line)) in records.iter().zip(lines).enumerate() {
+        let ctx = Ctx { path, line };
+        let mut b = ChainBuilder::new(block_tokens);
+        for (j, &(id, n)) in r.prompt.iter().enumerate() {
+            b.try_push(id, n)
+                .map_err(|e| ctx.field(format!("prompt[{j}]"), e.to_string()))?;
+        }
+        let prompt_tokens = b.total_tokens();
+        let output = match r.output {
+            NativeOutput::Segment(id, n) => (id, n),
+            NativeOutput::Tokens(n) => (SegmentId(GENERATED_SEGMENT_TAG | i as u64), n),
+        };
+        b.try_push(output.0, output.1)
+            .map_err(|e| ctx.field("output", e.to_string()))?;
+        let content = b.finish();
+        budget.charge(&content).map_err(|e| ctx.line_error(e))?;
+        requests.push(Request {
+            id: RequestId(i as u64),
+            session: r.session,
+            class: r.class,
+            arrival: r.arrival,
+            prompt_tokens,
+            output_tokens: output.1,
+            content: Arc::new(content),
+        });
+    }
+    Ok(Trace::new(block_tokens, requests))
 }
 
 fn check_segment(ctx: &Ctx<'_>, field: &str, id: u64, tokens: u32) -> Result<(), TraceError> {
@@ -309,8 +332,7 @@ const FIELDS: [&str; 7] = [
 ];
 
 fn parse_record(ctx: &Ctx<'_>, text: &str) -> Result<NativeRecord, TraceError> {
-    let value = ctx.parse_json(text)?;
-    let obj = ctx.object(&value)?;
+    let obj = &ctx.parse_object(text)?;
     if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
         return Err(ctx.field(
             k.as_str(),
@@ -319,15 +341,12 @@ fn parse_record(ctx: &Ctx<'_>, text: &str) -> Result<NativeRecord, TraceError> {
     }
 
     let arrival = match (obj.get("arrival_ns"), obj.get("arrival_ms")) {
-        (Some(v), None) => Nanos(u64_value(ctx, "arrival_ns", v)?),
+        (Some(v), None) => Nanos(u64_value(ctx, "arrival_ns", v)?)
+            .within_horizon()
+            .map_err(|e| ctx.field("arrival_ns", e))?,
         (None, Some(v)) => {
             let ms = non_neg_number(ctx, "arrival_ms", v)?;
-            let ns = (ms * 1e6).round();
-            // 2^64 is exactly representable; anything at or above it does not fit.
-            if ns >= 18_446_744_073_709_551_616.0 {
-                return Err(ctx.field("arrival_ms", format!("{ms} ms is too large")));
-            }
-            Nanos(ns as u64)
+            Nanos::try_from_millis_f64(ms).map_err(|e| ctx.field("arrival_ms", e))?
         }
         (Some(_), Some(_)) => {
             return Err(ctx.field(
@@ -451,27 +470,103 @@ pub(crate) mod lines {
                 reason: reason.into(),
             }
         }
-        pub fn parse_json(&self, text: &str) -> Result<Value, TraceError> {
-            serde_json::from_str(text).map_err(|e| self.line_error(format!("invalid JSON: {e}")))
+        /// Parses a line that must hold one JSON object whose keys are all distinct (a
+        /// repeated key is an error naming it: JSON parsers disagree on which copy wins).
+        pub fn parse_object(&self, text: &str) -> Result<Map<String, Value>, TraceError> {
+            match serde_json::from_str::<Record>(text) {
+                Ok(Record::Object(m)) => Ok(m),
+                Ok(Record::Duplicate(k)) => {
+                    Err(self.field(k, "appears twice in the record (keys must be unique)"))
+                }
+                Ok(Record::Other(v)) => {
+                    Err(self.line_error(format!("expected a JSON object, got {}", kind(&v))))
+                }
+                Err(e) => Err(self.line_error(format!("invalid JSON: {e}"))),
+            }
         }
-        pub fn object<'v>(&self, v: &'v Value) -> Result<&'v Map<String, Value>, TraceError> {
-            v.as_object()
-                .ok_or_else(|| self.line_error(format!("expected a JSON object, got {}", kind(v))))
+    }
+
+    /// One line's JSON: an object with distinct keys, the first key seen twice, or another
+    /// value.
+    enum Record {
+        Object(Map<String, Value>),
+        Duplicate(String),
+        Other(Value),
+    }
+
+    impl<'de> serde::Deserialize<'de> for Record {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = Record;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<Record, A::Error> {
+                    let mut out = Map::new();
+                    let mut duplicate = None;
+                    while let Some(k) = map.next_key::<String>()? {
+                        if duplicate.is_none() && out.contains_key(&k) {
+                            duplicate = Some(k);
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        } else {
+                            let v: Value = map.next_value()?;
+                            out.insert(k, v);
+                        }
+                    }
+                    Ok(match duplicate {
+                        Some(k) => Record::Duplicate(k),
+                        None => Record::Object(out),
+                    })
+                }
+                fn visit_bool<E>(self, v: bool) -> Result<Record, E> {
+                    Ok(Record::Other(Value::Bool(v)))
+                }
+                fn visit_i64<E>(self, v: i64) -> Result<Record, E> {
+                    Ok(Record::Other(Value::from(v)))
+                }
+                fn visit_u64<E>(self, v: u64) -> Result<Record, E> {
+                    Ok(Record::Other(Value::from(v)))
+                }
+                fn visit_f64<E>(self, v: f64) -> Result<Record, E> {
+                    Ok(Record::Other(Value::from(v)))
+                }
+                fn visit_str<E>(self, v: &str) -> Result<Record, E> {
+                    Ok(Record::Other(Value::from(v)))
+                }
+                fn visit_unit<E>(self) -> Result<Record, E> {
+                    Ok(Record::Other(Value::Null))
+                }
+                fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                    self,
+                    mut seq: A,
+                ) -> Result<Record, A::Error> {
+                    while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                    Ok(Record::Other(Value::Array(Vec::new())))
+                }
+            }
+            d.deserialize_any(V)
         }
     }
 
     /// Calls `f` on every non-blank line (without its line ending), numbering lines from 1.
-    /// Stops at the first error.
+    /// Stops at the first error. A line longer than [`crate::MAX_LINE_BYTES`] is an error
+    /// (reading `/dev/zero` as a trace stops there instead of taking all memory).
     pub(crate) fn for_each_line(
         mut reader: impl BufRead,
         path: &Path,
         mut f: impl FnMut(Ctx<'_>, &str) -> Result<(), TraceError>,
     ) -> Result<(), TraceError> {
+        use std::io::Read;
         let mut buf = Vec::new();
         let mut line = 0usize;
         loop {
             buf.clear();
-            let n = reader
+            let n = (&mut reader)
+                .take(crate::MAX_LINE_BYTES as u64 + 1)
                 .read_until(b'\n', &mut buf)
                 .map_err(|cause| TraceError::Io {
                     path: path.to_path_buf(),
@@ -482,6 +577,12 @@ pub(crate) mod lines {
             }
             line += 1;
             let ctx = Ctx { path, line };
+            if buf.len() > crate::MAX_LINE_BYTES {
+                return Err(ctx.line_error(format!(
+                    "the line is longer than {} MiB (is this a trace file?)",
+                    crate::MAX_LINE_BYTES >> 20
+                )));
+            }
             let text = std::str::from_utf8(&buf)
                 .map_err(|e| ctx.line_error(format!("not valid UTF-8: {e}")))?;
             let text = text.trim_end_matches(['\n', '\r']);

@@ -58,18 +58,46 @@ impl MoeModel {
                 ),
             ));
         }
-        if !self.experts.is_multiple_of(self.groups) {
+        for (field, v, max) in [
+            ("model.layers", self.layers, MAX_LAYERS),
+            ("model.experts", self.experts, MAX_EXPERTS),
+            ("model.groups", self.groups, MAX_EXPERTS),
+        ] {
+            if v > max {
+                return Err(ConfigError::invalid(
+                    field,
+                    format!("{v} is more than the largest accepted, {max}"),
+                ));
+            }
+        }
+        if self.layers * self.experts > MAX_LAYER_EXPERTS {
             return Err(ConfigError::invalid(
-                "model.groups",
+                "model.experts",
                 format!(
-                    "{} groups do not divide {} experts",
-                    self.groups, self.experts
+                    "{} layers × {} experts is more than the {MAX_LAYER_EXPERTS} (layer, expert) \
+                     pairs the load model tabulates",
+                    self.layers, self.experts
                 ),
             ));
         }
+        // Whether the groups must divide the experts depends on the policy: DeepSeek's EPLB
+        // checks it only when it runs hierarchically (see `EpGroup::validate`).
         Ok(())
     }
 }
+
+/// The most MoE layers accepted.
+pub const MAX_LAYERS: usize = 4096;
+/// The most routed experts per layer accepted.
+pub const MAX_EXPERTS: usize = 1 << 16;
+/// The most (layer, expert) pairs accepted: each is tabulated per step.
+pub const MAX_LAYER_EXPERTS: usize = 1 << 22;
+/// The most GPUs in one EP group accepted.
+pub const MAX_EP_GPUS: usize = 1 << 14;
+/// Largest Zipf exponent accepted (at 64 the second expert is already 2^-64 as popular).
+pub const MAX_ZIPF_EXPONENT: f64 = 64.0;
+/// Largest log-popularity deviation accepted (e^16 ≈ 9 million).
+pub const MAX_LOG_SIGMA: f64 = 16.0;
 
 /// Which traffic a model instance serves: prefill (prompt tokens) and decode (generated tokens)
 /// route differently, so each has its own popularity offsets, drift and batch noise.
@@ -117,16 +145,33 @@ pub struct SkewConfig {
 
 impl SkewConfig {
     pub fn validate(&self, prefix: &str) -> Result<(), ConfigError> {
-        for (name, v) in [
-            ("zipf_exponent", self.zipf_exponent),
-            ("phase_sigma", self.phase_sigma),
-            ("drift_sigma", self.drift_sigma),
-            ("sequence_sigma", self.sequence_sigma),
+        for (name, v, max) in [
+            ("zipf_exponent", self.zipf_exponent, MAX_ZIPF_EXPONENT),
+            ("phase_sigma", self.phase_sigma, MAX_LOG_SIGMA),
+            ("drift_sigma", self.drift_sigma, MAX_LOG_SIGMA),
+            ("sequence_sigma", self.sequence_sigma, MAX_LOG_SIGMA),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(ConfigError::invalid(
                     format!("{prefix}.{name}"),
                     format!("{v} must be finite and non-negative"),
+                ));
+            }
+            if v > max {
+                return Err(ConfigError::invalid(
+                    format!("{prefix}.{name}"),
+                    format!("{v} is more than the largest accepted, {max}"),
+                ));
+            }
+        }
+        for (name, v) in [
+            ("drift_tick", self.drift_tick),
+            ("drift_timescale", self.drift_timescale),
+        ] {
+            if v > Nanos::HORIZON {
+                return Err(ConfigError::invalid(
+                    format!("{prefix}.{name}"),
+                    format!("{v} is beyond the horizon of 146 years"),
                 ));
             }
         }
@@ -255,10 +300,46 @@ impl EpGroup {
         if self.gpus == 0 {
             return Err(ConfigError::invalid("ep.gpus", "must be at least 1"));
         }
-        if self.nodes == 0 || !self.gpus.is_multiple_of(self.nodes) {
+        if self.gpus > MAX_EP_GPUS {
+            return Err(ConfigError::invalid(
+                "ep.gpus",
+                format!(
+                    "{} is more than the largest accepted, {MAX_EP_GPUS}",
+                    self.gpus
+                ),
+            ));
+        }
+        if self.nodes == 0 {
+            return Err(ConfigError::invalid("ep.nodes", "must be at least 1"));
+        }
+        // EPLB runs hierarchically (and then needs the nodes to divide the GPUs and the groups
+        // to divide the experts) exactly when DeepSeek's reference does; a static placement
+        // only needs the GPUs to hold the experts evenly.
+        let (groups, nodes) = match policy {
+            PlacementPolicy::Eplb(s) => s.groups_and_nodes(model, self),
+            PlacementPolicy::NoRedundancy | PlacementPolicy::RoundRobin => (1, 1),
+        };
+        // The global policy is the hierarchical one with one group on one node, where both
+        // checks below hold trivially.
+        let hierarchical = super::rebalance::is_hierarchical(groups, nodes);
+        if hierarchical && !self.gpus.is_multiple_of(nodes) {
             return Err(ConfigError::invalid(
                 "ep.nodes",
-                format!("{} nodes do not divide {} GPUs", self.nodes, self.gpus),
+                format!(
+                    "{} nodes do not divide {} GPUs (the hierarchical policy runs, since \
+                     {} groups divide over them)",
+                    self.nodes, self.gpus, model.groups
+                ),
+            ));
+        }
+        if hierarchical && !model.experts.is_multiple_of(groups) {
+            return Err(ConfigError::invalid(
+                "model.groups",
+                format!(
+                    "{} groups do not divide {} experts (the hierarchical policy runs, since \
+                     the groups divide over {} nodes)",
+                    model.groups, model.experts, self.nodes
+                ),
             ));
         }
         if !(self.link_bytes_per_s.is_finite() && self.link_bytes_per_s > 0.0) {
@@ -296,7 +377,35 @@ impl EpGroup {
                         ),
                     ));
                 }
-                let slots = model.experts + s.redundant_per_gpu * self.gpus;
+                let Some(slots) = s
+                    .redundant_per_gpu
+                    .checked_mul(self.gpus)
+                    .and_then(|r| r.checked_add(model.experts))
+                    .filter(|&n| n <= super::rebalance::MAX_REPLICAS)
+                else {
+                    return Err(ConfigError::invalid(
+                        "placement.redundant_per_gpu",
+                        format!(
+                            "{} experts + {} redundant × {} GPUs is more than the {} slots a \
+                             layer accepts",
+                            model.experts,
+                            s.redundant_per_gpu,
+                            self.gpus,
+                            super::rebalance::MAX_REPLICAS
+                        ),
+                    ));
+                };
+                if model.layers as u64 * slots as u64 > super::rebalance::MAX_CELLS {
+                    return Err(ConfigError::invalid(
+                        "placement.redundant_per_gpu",
+                        format!(
+                            "{} layers × {slots} slots is more than the {} placement entries \
+                             accepted",
+                            model.layers,
+                            super::rebalance::MAX_CELLS
+                        ),
+                    ));
+                }
                 if !slots.is_multiple_of(self.gpus) {
                     return Err(ConfigError::invalid(
                         "ep.gpus",
@@ -428,9 +537,37 @@ mod tests {
         });
         assert_eq!(field(&c), "placement.reassign_every_steps");
         c.placement = PlacementPolicy::Eplb(EplbSettings::prefill());
+        // 8 groups do not divide over 3 nodes: DeepSeek's EPLB runs globally, where the nodes
+        // need not divide the GPUs (issue 16 item 4).
         c.ep.nodes = 3;
+        assert_eq!(field(&c), "ok");
+        // 8 groups over 8 nodes: hierarchical, and 4 GPUs do not divide over 8 nodes.
+        c.ep.nodes = 8;
+        assert_eq!(field(&c), "ep.nodes");
+        c.ep.nodes = 0;
         assert_eq!(field(&c), "ep.nodes");
         c.ep.nodes = 1;
+        // Hierarchical on one node: the groups must divide the experts; globally they need not.
+        c.model.groups = 7;
+        assert_eq!(field(&c), "model.groups");
+        c.placement = PlacementPolicy::Eplb(EplbSettings {
+            scope: EplbScope::Global,
+            ..EplbSettings::prefill()
+        });
+        assert_eq!(field(&c), "ok");
+        c.model.groups = 8;
+        c.placement = PlacementPolicy::Eplb(EplbSettings {
+            redundant_per_gpu: usize::MAX,
+            ..EplbSettings::prefill()
+        });
+        assert_eq!(field(&c), "placement.redundant_per_gpu");
+        c.placement = PlacementPolicy::Eplb(EplbSettings::prefill());
+        c.skew.zipf_exponent = 1e300;
+        assert_eq!(field(&c), "skew.zipf_exponent");
+        c.skew = skew();
+        c.ep.gpus = usize::MAX;
+        assert_eq!(field(&c), "ep.gpus");
+        c.ep.gpus = 4;
         c.skew.drift_sigma = -1.0;
         assert_eq!(field(&c), "skew.drift_sigma");
         c.skew = skew();

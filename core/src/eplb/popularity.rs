@@ -132,11 +132,12 @@ impl ExpertLoadGenerator {
     /// drift state, without batch noise (Σ = 1). For inspection and tests.
     pub fn expected_share(&self, layer: usize) -> Vec<f64> {
         let range = layer * self.experts..(layer + 1) * self.experts;
-        let w: Vec<f64> = self.fixed_log[range.clone()]
+        let mut w: Vec<f64> = self.fixed_log[range.clone()]
             .iter()
             .zip(&self.drift_log[range])
-            .map(|(a, b)| (a + b).exp())
+            .map(|(a, b)| a + b)
             .collect();
+        exp_relative(&mut w);
         let mut q = vec![0.0; self.experts];
         let mut capped = vec![false; self.experts];
         water_fill(&w, self.top_k, &mut q, &mut capped);
@@ -163,14 +164,26 @@ impl ExpertLoadGenerator {
             let base = l * self.experts;
             for e in 0..self.experts {
                 let x = self.fixed_log[base + e] + self.drift_log[base + e];
-                self.weights[e] = (x + batch_sigma * rng.normal()).exp();
+                self.weights[e] = x + batch_sigma * rng.normal();
             }
+            exp_relative(&mut self.weights);
             water_fill(&self.weights, self.top_k, &mut q, &mut self.capped);
             for (count, &p) in self.counts[base..base + self.experts].iter_mut().zip(&q) {
                 *count = u32::try_from(rng.binomial(batch.tokens, p)).unwrap_or(u32::MAX);
             }
         }
         &self.counts
+    }
+}
+
+/// Log-weights to weights relative to the largest (`exp(x − max)`, the largest is 1). At any
+/// skew nothing overflows to infinity (which made 0 · ∞ = NaN probabilities and steps that
+/// routed nothing), and nothing underflows to zero: a weight is at least e^-700, so the
+/// water-filling still finds every expert a token can be routed to and `Σ q = k` holds.
+fn exp_relative(x: &mut [f64]) {
+    let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    for v in x.iter_mut() {
+        *v = (*v - max).max(-700.0).exp();
     }
 }
 
@@ -287,6 +300,39 @@ mod tests {
         );
         let empty = g.sample(Nanos::from_secs(2), MoeBatch::default());
         assert!(empty.iter().all(|&c| c == 0));
+    }
+
+    /// At extreme skew every token still picks `top_k` experts (no weight overflows to ∞ or
+    /// underflows to 0, so no probability is NaN and no step routes nothing): the hottest
+    /// `top_k` experts take every token.
+    #[test]
+    fn extreme_skew_still_routes_every_token_k_times() {
+        for (zipf, sigma) in [(64.0, 0.0), (0.7, 16.0), (64.0, 16.0)] {
+            let sk = SkewConfig {
+                zipf_exponent: zipf,
+                phase_sigma: sigma,
+                drift_sigma: sigma,
+                sequence_sigma: sigma,
+                ..skew()
+            };
+            let mut g = ExpertLoadGenerator::new(&small(), Phase::Decode, &sk, 1, "e").unwrap();
+            let batch = MoeBatch {
+                tokens: 1_000,
+                sequences: 1,
+            };
+            let counts = g.sample(Nanos::from_secs(1), batch).to_vec();
+            for layer in counts.chunks(16) {
+                let total: u64 = layer.iter().map(|&c| u64::from(c)).sum();
+                // Σ q = k exactly; the binomial draws of the uncapped experts add noise.
+                assert!(
+                    (3_000..=5_000).contains(&total),
+                    "{zipf} {sigma}: {layer:?}"
+                );
+            }
+            let share = g.expected_share(0);
+            assert!(share.iter().all(|x| x.is_finite()), "{share:?}");
+            assert!((share.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{share:?}");
+        }
     }
 
     #[test]

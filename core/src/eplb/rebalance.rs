@@ -21,9 +21,12 @@
 //!   pipeline with one group and one node.
 //!
 //! Unlike the reference, shapes are validated up front and reported as [`EplbError`]s instead of
-//! assertions; `num_experts % num_groups` and `num_gpus % num_nodes` are checked for both
-//! policies, since a grouping that does not partition the experts (or nodes that do not partition
-//! the GPUs) describes no real deployment.
+//! assertions, and exactly the shapes the reference accepts are accepted: every count positive,
+//! `num_replicas` a multiple of `num_gpus` and at least the number of experts, and, for the
+//! hierarchical policy only, `num_experts % num_groups == 0` and `num_gpus % num_nodes == 0`. The
+//! global policy runs with one group on one node, so there the experts need not divide by the
+//! groups nor the GPUs by the nodes. Beyond the reference, sizes whose output would not fit in
+//! memory ([`MAX_REPLICAS`] slots a layer, [`MAX_CELLS`] entries in a table) are refused.
 
 use serde::Serialize;
 use thiserror::Error;
@@ -63,6 +66,24 @@ pub enum EplbError {
     ExpertsNotDivisibleByGroups { experts: usize, groups: usize },
     #[error("num_gpus ({gpus}) is not divisible by num_nodes ({nodes})")]
     GpusNotDivisibleByNodes { gpus: usize, nodes: usize },
+    #[error("{what} would hold {cells} entries, more than the {max} accepted")]
+    TooLarge {
+        what: &'static str,
+        cells: u128,
+        max: u64,
+    },
+}
+
+/// The most physical slots per layer accepted (DeepSeek's deployments use a few hundred).
+pub const MAX_REPLICAS: usize = 1 << 20;
+/// The most entries accepted in one output table (`phy2log`, `log2phy`: layers × slots, layers ×
+/// experts × the largest replica count), 2^26: at most 512 MiB each.
+pub const MAX_CELLS: u64 = 1 << 26;
+
+/// Whether DeepSeek's reference takes the hierarchical policy for these counts (it does when the
+/// groups divide over the nodes; otherwise it runs the global policy: one group, one node).
+pub fn is_hierarchical(num_groups: usize, num_nodes: usize) -> bool {
+    num_nodes != 0 && num_groups.is_multiple_of(num_nodes)
 }
 
 /// The placement of physical expert slots, per layer.
@@ -209,17 +230,36 @@ fn validate(
             experts,
         });
     }
-    if !experts.is_multiple_of(num_groups) {
-        return Err(EplbError::ExpertsNotDivisibleByGroups {
-            experts,
-            groups: num_groups,
+    if num_replicas > MAX_REPLICAS {
+        return Err(EplbError::TooLarge {
+            what: "a layer of num_replicas slots",
+            cells: num_replicas as u128,
+            max: MAX_REPLICAS as u64,
         });
     }
-    if !num_gpus.is_multiple_of(num_nodes) {
-        return Err(EplbError::GpusNotDivisibleByNodes {
-            gpus: num_gpus,
-            nodes: num_nodes,
+    let cells = weight.len() as u128 * num_replicas as u128;
+    if cells > u128::from(MAX_CELLS) {
+        return Err(EplbError::TooLarge {
+            what: "phy2log (layers × num_replicas)",
+            cells,
+            max: MAX_CELLS,
         });
+    }
+    // The global policy is the hierarchical one with one group on one node: these two checks
+    // are the reference's only for the hierarchical policy.
+    if is_hierarchical(num_groups, num_nodes) {
+        if !experts.is_multiple_of(num_groups) {
+            return Err(EplbError::ExpertsNotDivisibleByGroups {
+                experts,
+                groups: num_groups,
+            });
+        }
+        if !num_gpus.is_multiple_of(num_nodes) {
+            return Err(EplbError::GpusNotDivisibleByNodes {
+                gpus: num_gpus,
+                nodes: num_nodes,
+            });
+        }
     }
     Ok(experts)
 }
@@ -237,7 +277,7 @@ pub fn rebalance_experts(
     num_gpus: usize,
 ) -> Result<EplbPlacement, EplbError> {
     let experts = validate(weight, num_replicas, num_groups, num_nodes, num_gpus)?;
-    let (groups, nodes) = if num_groups.is_multiple_of(num_nodes) {
+    let (groups, nodes) = if is_hierarchical(num_groups, num_nodes) {
         (num_groups, num_nodes)
     } else {
         (1, 1)
@@ -258,6 +298,16 @@ pub fn rebalance_experts(
         phy2log.push(p);
         ranks.push(r);
         logcnt.push(c);
+    }
+    // log2phy is padded to the largest replica count: bounded before it is allocated.
+    let max_cnt = logcnt.iter().flatten().copied().max().unwrap_or(0);
+    let cells = weight.len() as u128 * experts as u128 * max_cnt as u128;
+    if cells > u128::from(MAX_CELLS) {
+        return Err(EplbError::TooLarge {
+            what: "log2phy (layers × experts × the largest replica count)",
+            cells,
+            max: MAX_CELLS,
+        });
     }
     Ok(EplbPlacement::assemble(phy2log, &ranks, logcnt))
 }
@@ -512,10 +562,19 @@ mod tests {
                 groups: 5
             })
         );
+        // 4 groups over 2 nodes: hierarchical, where 9 GPUs must divide over the 2 nodes.
         assert_eq!(
-            rebalance_experts(&w, 16, 4, 3, 8),
-            Err(EplbError::GpusNotDivisibleByNodes { gpus: 8, nodes: 3 })
+            rebalance_experts(&w, 18, 4, 2, 9),
+            Err(EplbError::GpusNotDivisibleByNodes { gpus: 9, nodes: 2 })
         );
+        assert!(matches!(
+            rebalance_experts(&w, MAX_REPLICAS + 8, 4, 2, 8),
+            Err(EplbError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            rebalance_experts(&vec![vec![1.0; 12]; 1 << 10], 1 << 17, 4, 2, 8),
+            Err(EplbError::TooLarge { .. })
+        ));
         assert_eq!(
             rebalance_experts(&[], 16, 4, 2, 8),
             Err(EplbError::NoLayers)
@@ -557,6 +616,52 @@ mod tests {
             rebalance_experts(&w, 16, 4, 0, 8),
             Err(EplbError::Zero { name: "num_nodes" })
         );
+    }
+
+    /// Issue 16 item 4: when the groups do not divide over the nodes the reference runs the
+    /// global policy (one group, one node), so neither the experts need divide by the groups nor
+    /// the GPUs by the nodes.
+    #[test]
+    fn global_fallback_accepts_what_the_reference_accepts() {
+        let w = spec_weight();
+        let global = rebalance_experts(&w, 16, 1, 1, 8).unwrap();
+        // 12 experts, 5 groups, 2 nodes: 5 % 2 != 0 → global, and 12 % 5 != 0 is fine.
+        assert_eq!(rebalance_experts(&w, 16, 5, 2, 8).unwrap(), global);
+        // 4 groups, 3 nodes: global, and 8 GPUs need not divide over 3 nodes.
+        assert_eq!(rebalance_experts(&w, 16, 4, 3, 8).unwrap(), global);
+        // More groups than experts, still global.
+        assert_eq!(rebalance_experts(&w, 16, 13, 2, 8).unwrap(), global);
+        // Hierarchical (5 % 1 == 0) keeps the reference's checks.
+        assert!(rebalance_experts(&w, 16, 5, 1, 8).is_err());
+    }
+
+    /// The shapes the reference (DeepSeek's eplb.py) accepts, stated from its assertions, not
+    /// from this module's code.
+    fn reference_accepts(e: usize, r: usize, g: usize, n: usize, p: usize) -> bool {
+        if e == 0 || r == 0 || g == 0 || n == 0 || p == 0 {
+            return false;
+        }
+        let (g, n) = if g.is_multiple_of(n) { (g, n) } else { (1, 1) };
+        e.is_multiple_of(g) && p.is_multiple_of(n) && r.is_multiple_of(p) && r >= e
+    }
+
+    proptest! {
+        /// Every small shape is accepted exactly when the reference accepts it, and a global
+        /// fallback gives the global placement.
+        #[test]
+        fn accepts_exactly_the_reference_shapes(e in 1usize..13, r in 0usize..30, g in 0usize..14,
+                                                n in 0usize..6, p in 0usize..9, seed in 0u32..1000) {
+            let w: Vec<Vec<f32>> = (0..2u32)
+                .map(|l| (0..e as u32).map(|x| ((x * 7919 + l * 31 + seed) % 97) as f32).collect())
+                .collect();
+            let got = rebalance_experts(&w, r, g, n, p);
+            prop_assert_eq!(got.is_ok(), reference_accepts(e, r, g, n, p), "{:?}", got);
+            if let Ok(placement) = got
+                && g % n != 0
+            {
+                prop_assert_eq!(placement, rebalance_experts(&w, r, 1, 1, p).unwrap());
+            }
+        }
     }
 
     #[test]

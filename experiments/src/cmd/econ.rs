@@ -130,6 +130,9 @@ fn number(s: &str) -> Result<f64, String> {
 /// Core errors name config keys (`output_share`); on the command line the flag is `--output-share`.
 fn flag_error(e: ConfigError) -> anyhow::Error {
     let ConfigError::Invalid { field, reason } = e;
+    if field == econ::INPUTS_FIELD {
+        return anyhow!("invalid inputs: {reason}");
+    }
     anyhow!("invalid `--{}`: {reason}", field.replace('_', "-"))
 }
 

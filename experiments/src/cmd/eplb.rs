@@ -16,10 +16,11 @@ pub struct Args {
     /// Physical expert slots per layer (a multiple of --gpus, at least the number of experts).
     #[arg(long)]
     pub replicas: usize,
-    /// Expert groups (must divide the number of experts).
+    /// Expert groups. When --nodes divide them the placement is hierarchical and the groups must
+    /// divide the experts; otherwise it is global (one group), as in DeepSeek's eplb.py.
     #[arg(long)]
     pub groups: usize,
-    /// Server nodes (must divide --gpus); hierarchical placement when they divide --groups.
+    /// Server nodes; with a hierarchical placement they must divide --gpus.
     #[arg(long)]
     pub nodes: usize,
     /// GPUs.
@@ -56,9 +57,28 @@ fn parse_weight(text: &str) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
+/// The largest load file read (256 MiB): a load matrix of tens of millions of entries, and
+/// `/dev/zero` is refused instead of read into memory without end.
+const MAX_INPUT_BYTES: u64 = 256 << 20;
+
+fn read_bounded(path: &std::path::Path) -> Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_INPUT_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_INPUT_BYTES {
+        return Err(anyhow!(
+            "the file is larger than {} MiB",
+            MAX_INPUT_BYTES >> 20
+        ));
+    }
+    Ok(text)
+}
+
 pub fn run(a: Args) -> Result<()> {
     let file = a.input.display();
-    let text = std::fs::read_to_string(&a.input).with_context(|| format!("reading {file}"))?;
+    let text = read_bounded(&a.input).with_context(|| format!("reading {file}"))?;
     let weight = parse_weight(&text)
         .with_context(|| format!("{file}: expected {{\"weight\": [[...], ...]}}"))?;
     let placement =

@@ -39,7 +39,8 @@ pub struct Args {
     /// Store capacity in logical KV bytes (before erasure coding).
     #[arg(long)]
     pub capacity_bytes: Option<u64>,
-    /// TTL of every block, e.g. 3d, 7d, 10min (counted from the last access).
+    /// TTL of every block, with a unit: 3d, 7d, 10min, 180s, 250ms (counted from the last
+    /// access). A bare number is an error, as in configs.
     #[arg(long)]
     pub ttl: Option<String>,
     /// lru, ttl or lru-ttl (default: whatever the capacity and TTL flags imply).

@@ -12,6 +12,10 @@ use servelab_sim::acceptance::AcceptanceModel;
 use servelab_sim::dspark::{DsparkPoint, DsparkResult, run_point};
 use servelab_sim::profile::HardwareProfile;
 
+/// The most sequence-steps (ranks × sequences per rank × steps) one point may run: 2^30, about a
+/// minute of the release build.
+const MAX_SEQUENCE_STEPS: u64 = 1 << 30;
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Published {
@@ -49,6 +53,23 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         bail!(
             "{path}: `published.throughput_change_pct` needs one value per `seqs_per_rank` entry"
         );
+    }
+    servelab_sim::acceptance::validate_drafts(cfg.point.draft_tokens, "point.draft_tokens")
+        .map_err(|e| anyhow!("{path}: {e}"))?;
+    cfg.acceptance
+        .validate()
+        .map_err(|e| anyhow!("{path}: {e}"))?;
+    // Work and memory grow with sequences × steps: bounded before anything is allocated.
+    for &seqs in &cfg.seqs_per_rank {
+        let work = u128::from(cfg.point.ranks) * u128::from(seqs) * u128::from(cfg.point.steps);
+        if work > u128::from(MAX_SEQUENCE_STEPS) {
+            bail!(
+                "{path}: invalid `point.steps`: {} ranks × {seqs} sequences × {} steps is more \
+                 than the {MAX_SEQUENCE_STEPS} sequence-steps a point may run",
+                cfg.point.ranks,
+                cfg.point.steps
+            );
+        }
     }
     let profile = HardwareProfile::resolve(&cfg.profile).map_err(|e| anyhow!("{path}: {e}"))?;
     let seed = ctx.seed();

@@ -60,6 +60,7 @@ fn config_error(path: &std::path::Path, e: ConfigError) -> anyhow::Error {
     let key = match field.as_str() {
         "output_share" => "sweep.output_share".to_string(),
         "decode_tps" => "sweep.decode_tps".to_string(),
+        econ::INPUTS_FIELD => return anyhow!("{}: invalid inputs: {reason}", path.display()),
         other => format!("econ.{other}"),
     };
     anyhow!("{}: invalid `{key}`: {reason}", path.display())

@@ -66,6 +66,9 @@ pub struct PolicyRun {
     pub spec_imbalance: Option<f64>,
 }
 
+/// The most (step, policy) imbalance records one scenario keeps (2^26, 512 MiB).
+const MAX_STEP_CELLS: u64 = 1 << 26;
+
 /// One policy's trace through one scenario.
 struct Trace {
     imbalance: Vec<f64>,
@@ -204,6 +207,26 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             bail!(
                 "{path}: scenario `{}`: invalid `step_time`: must be positive",
                 s.name
+            );
+        }
+        // One imbalance per step and policy is kept for the series and the quantiles.
+        let cells = u128::from(s.steps) * s.policy.len() as u128;
+        if cells > u128::from(MAX_STEP_CELLS) {
+            bail!(
+                "{path}: scenario `{}`: invalid `steps`: {} steps × {} policies is more than the \
+                 {MAX_STEP_CELLS} step records a run keeps",
+                s.name,
+                s.steps,
+                s.policy.len()
+            );
+        }
+        if u128::from(s.steps) * u128::from(s.step_time.0) > u128::from(Nanos::HORIZON.0) {
+            bail!(
+                "{path}: scenario `{}`: invalid `steps`: {} steps of {} run past the horizon of \
+                 146 years",
+                s.name,
+                s.steps,
+                s.step_time
             );
         }
         for p in &s.policy {
