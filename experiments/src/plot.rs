@@ -157,7 +157,7 @@ pub struct BandPoint {
 /// Tick text for a value on an axis spanning `span`: enough digits to tell ticks apart.
 fn tick_text(v: f64, span: f64) -> String {
     let a = v.abs();
-    if a != 0.0 && (a >= 1e6 || a < 1e-4) {
+    if a != 0.0 && !(1e-4..1e6).contains(&a) {
         return format!("{v:.2e}");
     }
     let decimals = if span > 0.0 {
@@ -343,9 +343,20 @@ pub fn bands(
             .label(name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
     }
+    // The legend goes to the right-hand corner the lines leave free.
+    let right: Vec<f64> = series
+        .iter()
+        .filter_map(|(_, p)| p.iter().max_by(|a, b| a.x.total_cmp(&b.x)))
+        .map(|b| ty(b.high.unwrap_or(b.mean)))
+        .collect();
+    let high_right = right.iter().any(|&y| y > y0 + (y1 - y0) * 0.5);
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(if high_right {
+            SeriesLabelPosition::LowerRight
+        } else {
+            SeriesLabelPosition::UpperRight
+        })
         .label_font(("sans-serif", 14))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)

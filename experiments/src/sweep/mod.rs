@@ -125,21 +125,33 @@ pub fn run(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
     }
     prepare(out, opt.force)?;
     let done = |j: &Job| j.dir.join("point.json").is_file() && j.dir.join("summary.json").is_file();
-    let todo: Vec<&Job> = jobs.iter().filter(|j| !done(j)).collect();
+    // Two points with the same effective config share one run.
+    let mut todo: Vec<&Job> = Vec::new();
+    for j in jobs.iter().filter(|j| !done(j)) {
+        if !todo.iter().any(|t| t.id == j.id) {
+            todo.push(j);
+        }
+    }
     let n_jobs = opt
         .jobs
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
         .max(1);
-    println!(
+    let header = format!(
         "servelab sweep: {path} (kind {kind}): {} points × {} seeds = {} runs, {} already done, \
          {} at a time; output {}",
         points.len(),
         spec.seeds.len(),
         jobs.len(),
-        jobs.len() - todo.len(),
+        jobs.iter().filter(|j| done(j)).count(),
         n_jobs.min(todo.len().max(1)),
         out.display()
     );
+    // With --json, stdout carries the JSON alone.
+    if opt.json {
+        eprintln!("{header}");
+    } else {
+        println!("{header}");
+    }
     run_jobs(&base, &spec, &points, &todo, n_jobs, opt)?;
 
     // Gather.
@@ -562,7 +574,7 @@ fn x_dim(spec: &Spec) -> (usize, Option<Vec<f64>>) {
 fn plot_metric(path: &Path, spec: &Spec, points: &[Point], m: &str, stats: &Stats) -> Result<()> {
     let (xd, numeric) = x_dim(spec);
     let dim = &spec.dims[xd];
-    let labels: Vec<String> = (0..dim.len()).map(|i| dim.label(i)).collect();
+    let labels: Vec<String> = (0..dim.n_values()).map(|i| dim.label(i)).collect();
     // One series per combination of the other dimensions.
     let mut series: BTreeMap<Vec<usize>, (String, Vec<plot::BandPoint>)> = BTreeMap::new();
     for (i, p) in points.iter().enumerate() {
@@ -663,7 +675,7 @@ fn warnings(
         } else {
             for (d, dim) in spec.dims.iter().enumerate() {
                 // Values of this dimension that give identical results wherever the others are.
-                let n = dim.len();
+                let n = dim.n_values();
                 let mut class: Vec<usize> = (0..n).collect();
                 for a in 0..n {
                     for b in a + 1..n {
@@ -754,7 +766,7 @@ fn fmt_num(x: f64) -> String {
     let a = x.abs();
     if a == 0.0 {
         "0".into()
-    } else if a >= 1e6 || a < 1e-3 {
+    } else if !(1e-3..1e6).contains(&a) {
         format!("{x:.3e}")
     } else if a >= 100.0 {
         format!("{x:.1}")
@@ -788,7 +800,7 @@ fn summary_md(
         s.push_str(&format!(
             "- `{}`: {}\n",
             d.name(),
-            (0..d.len())
+            (0..d.n_values())
                 .map(|i| d.label(i))
                 .collect::<Vec<_>>()
                 .join(", ")

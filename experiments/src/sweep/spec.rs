@@ -89,7 +89,7 @@ pub struct Dim {
 }
 
 impl Dim {
-    pub fn len(&self) -> usize {
+    pub fn n_values(&self) -> usize {
         self.axes[0].values.len()
     }
 
@@ -133,7 +133,7 @@ impl Spec {
 
     /// Every combination, the last dimension fastest.
     pub fn points(&self) -> Vec<Point> {
-        let sizes: Vec<usize> = self.dims.iter().map(Dim::len).collect();
+        let sizes: Vec<usize> = self.dims.iter().map(Dim::n_values).collect();
         let total: usize = sizes.iter().product();
         (0..total)
             .map(|mut i| {
