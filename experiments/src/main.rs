@@ -8,6 +8,7 @@ mod config;
 mod exp;
 mod output;
 mod plot;
+mod sweep;
 
 #[derive(Parser)]
 #[command(

@@ -144,3 +144,224 @@ pub fn lines(
     root.present().map_err(err)?;
     Ok(())
 }
+
+/// One point of a line with an interval: the mean and, when known, the interval's bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct BandPoint {
+    pub x: f64,
+    pub mean: f64,
+    pub low: Option<f64>,
+    pub high: Option<f64>,
+}
+
+/// Tick text for a value on an axis spanning `span`: enough digits to tell ticks apart.
+fn tick_text(v: f64, span: f64) -> String {
+    let a = v.abs();
+    if a != 0.0 && !(1e-4..1e6).contains(&a) {
+        return format!("{v:.2e}");
+    }
+    let decimals = if span > 0.0 {
+        (2.0 - span.log10().floor()).clamp(0.0, 6.0) as usize
+    } else {
+        3
+    };
+    let s = format!("{v:.decimals$}");
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
+}
+
+/// Means against a swept key, one line per series, each with its interval as a shaded band.
+/// `xs` are the swept values (position, label as written): ticks sit exactly there. A numeric
+/// key spanning two decades or more gets a log axis, and so does a metric; a key that is not
+/// numeric is drawn as categories, with error bars instead of lines between them.
+pub fn bands(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    xs: &[(f64, String)],
+    numeric: bool,
+    series: &[(String, Vec<BandPoint>)],
+) -> Result<()> {
+    let xv: Vec<f64> = xs.iter().map(|x| x.0).collect();
+    let (xmin, xmax) = xv
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+    let log_x = numeric && xmin > 0.0 && xmax / xmin >= 50.0;
+    let tx = |x: f64| if log_x { x.log10() } else { x };
+    let ys: Vec<f64> = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().flat_map(|b| [Some(b.mean), b.low, b.high]))
+        .flatten()
+        .filter(|y| y.is_finite())
+        .collect();
+    let (ymin, ymax) = ys
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &y| (l.min(y), h.max(y)));
+    let (ymin, ymax) = if ys.is_empty() {
+        (0.0, 1.0)
+    } else {
+        (ymin, ymax)
+    };
+    let log_y = ymin > 0.0 && ymax / ymin >= 100.0;
+    let ty = |y: f64| if log_y { y.log10() } else { y };
+    let (x0, x1) = (tx(xmin), tx(xmax));
+    let xpad = if numeric && x1 > x0 {
+        (x1 - x0) * 0.06
+    } else {
+        0.5
+    };
+    let (y0, y1) = (ty(ymin), ty(ymax));
+    let ypad = if y1 > y0 {
+        (y1 - y0) * 0.08
+    } else {
+        y0.abs().max(1e-9) * 0.05
+    };
+    let root = SVGBackend::new(path, (1000, 580)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(18)
+        .x_label_area_size(56)
+        .y_label_area_size(84)
+        .build_cartesian_2d((x0 - xpad)..(x1 + xpad), (y0 - ypad)..(y1 + ypad))
+        .map_err(err)?;
+    let yspan = ymax - ymin;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(0)
+        .x_desc(if log_x {
+            format!("{x_label} (log scale)")
+        } else {
+            x_label.to_string()
+        })
+        .y_desc(if log_y {
+            format!("{y_label} (log scale)")
+        } else {
+            y_label.to_string()
+        })
+        .y_label_formatter(&|v| {
+            if log_y {
+                tick_text(10f64.powf(*v), 10f64.powf(*v))
+            } else {
+                tick_text(*v, yspan)
+            }
+        })
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 17))
+        .draw()
+        .map_err(err)?;
+    // Ticks at the swept values, labelled as written; thinned when crowded.
+    let step = xs.len().div_ceil(14).max(1);
+    let (ylo, yhi) = (y0 - ypad, y1 + ypad);
+    for (i, (x, label)) in xs.iter().enumerate() {
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(tx(*x), ylo), (tx(*x), yhi)],
+                RGBColor(220, 220, 220).stroke_width(1),
+            )))
+            .map_err(err)?;
+        if i % step != 0 {
+            continue;
+        }
+        let (px, py) = chart.backend_coord(&(tx(*x), ylo));
+        root.draw(&Text::new(
+            label.clone(),
+            (px, py + 8),
+            ("sans-serif", 15).into_font().color(&BLACK).pos(
+                plotters::style::text_anchor::Pos::new(
+                    plotters::style::text_anchor::HPos::Center,
+                    plotters::style::text_anchor::VPos::Top,
+                ),
+            ),
+        ))
+        .map_err(err)?;
+    }
+    let k = series.len().max(1) as f64;
+    for (si, (name, pts)) in series.iter().enumerate() {
+        let c = color(si);
+        // Categories: series side by side around each tick.
+        let off = if numeric {
+            0.0
+        } else {
+            (si as f64 - (k - 1.0) / 2.0) * (0.5 / k)
+        };
+        let px = |b: &BandPoint| tx(b.x) + off;
+        let with_ci: Vec<&BandPoint> = pts
+            .iter()
+            .filter(|b| b.low.is_some() && b.high.is_some())
+            .collect();
+        if numeric && with_ci.len() >= 2 {
+            let mut poly: Vec<(f64, f64)> = with_ci
+                .iter()
+                .map(|b| (px(b), ty(b.low.unwrap_or(b.mean))))
+                .collect();
+            poly.extend(
+                with_ci
+                    .iter()
+                    .rev()
+                    .map(|b| (px(b), ty(b.high.unwrap_or(b.mean)))),
+            );
+            chart
+                .draw_series(std::iter::once(Polygon::new(poly, c.mix(0.18).filled())))
+                .map_err(err)?;
+        } else {
+            // Error bars with caps.
+            let cap = if numeric { xpad * 0.15 } else { 0.04 };
+            for b in &with_ci {
+                let (lo, hi) = (ty(b.low.unwrap_or(b.mean)), ty(b.high.unwrap_or(b.mean)));
+                let x = px(b);
+                for seg in [
+                    vec![(x, lo), (x, hi)],
+                    vec![(x - cap, lo), (x + cap, lo)],
+                    vec![(x - cap, hi), (x + cap, hi)],
+                ] {
+                    chart
+                        .draw_series(std::iter::once(PathElement::new(seg, c.stroke_width(2))))
+                        .map_err(err)?;
+                }
+            }
+        }
+        if numeric {
+            chart
+                .draw_series(LineSeries::new(
+                    pts.iter().map(|b| (px(b), ty(b.mean))),
+                    c.stroke_width(2),
+                ))
+                .map_err(err)?;
+        }
+        chart
+            .draw_series(
+                pts.iter()
+                    .map(|b| Circle::new((px(b), ty(b.mean)), 4, c.filled())),
+            )
+            .map_err(err)?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
+    }
+    // The legend goes to the right-hand corner the lines leave free.
+    let right: Vec<f64> = series
+        .iter()
+        .filter_map(|(_, p)| p.iter().max_by(|a, b| a.x.total_cmp(&b.x)))
+        .map(|b| ty(b.high.unwrap_or(b.mean)))
+        .collect();
+    let high_right = right.iter().any(|&y| y > y0 + (y1 - y0) * 0.5);
+    chart
+        .configure_series_labels()
+        .position(if high_right {
+            SeriesLabelPosition::LowerRight
+        } else {
+            SeriesLabelPosition::UpperRight
+        })
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(())
+}

@@ -37,7 +37,7 @@ impl DsparkPoint {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.ranks == 0 || self.seqs_per_rank == 0 || self.steps == 0 {
             return Err(ConfigError::invalid(
-                "dspark.seqs_per_rank",
+                "seqs_per_rank",
                 "ranks, sequences per rank and steps must be positive",
             ));
         }
@@ -46,7 +46,7 @@ impl DsparkPoint {
             || self.output_tokens_min > self.output_tokens_max
         {
             return Err(ConfigError::invalid(
-                "dspark.output_tokens_min",
+                "point.output_tokens_min",
                 "ranges must be non-empty (and outputs positive)",
             ));
         }

@@ -58,11 +58,11 @@ impl ReplayConfig {
         self.store.validate(self.constants.block_bytes())?;
         self.swa.validate()?;
         if !(self.ttft_s.is_finite() && self.ttft_s >= 0.0) {
-            return Err(ConfigError::invalid("replay.ttft_s", "must be >= 0"));
+            return Err(ConfigError::invalid("timing.ttft_s", "must be >= 0"));
         }
         if !(self.decode_tokens_per_s.is_finite() && self.decode_tokens_per_s > 0.0) {
             return Err(ConfigError::invalid(
-                "replay.decode_tokens_per_s",
+                "timing.decode_tokens_per_s",
                 "must be positive",
             ));
         }

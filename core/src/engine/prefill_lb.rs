@@ -45,15 +45,15 @@ impl PrefillLbPolicy {
                 || tier_bounds_tokens.first() == Some(&0)
             {
                 return Err(ConfigError::invalid(
-                    "prefill_lb.tier_bounds_tokens",
+                    "prefill.lb.tier_bounds_tokens",
                     "must be positive and increasing",
                 ));
             }
             if *round == Nanos::ZERO {
-                return Err(ConfigError::invalid("prefill_lb.round", "must be positive"));
+                return Err(ConfigError::invalid("prefill.lb.round", "must be positive"));
             }
             if *quota == Nanos::ZERO {
-                return Err(ConfigError::invalid("prefill_lb.quota", "must be positive"));
+                return Err(ConfigError::invalid("prefill.lb.quota", "must be positive"));
             }
         }
         Ok(())
@@ -105,7 +105,7 @@ impl PrefillBalancer {
     ) -> Result<Self, ConfigError> {
         policy.validate()?;
         if engines == 0 {
-            return Err(ConfigError::invalid("prefill.engines", "must be positive"));
+            return Err(ConfigError::invalid("prefill.gpus", "must be positive"));
         }
         let tiers = match &policy {
             PrefillLbPolicy::Tiered {

@@ -1,19 +1,9 @@
 //! `servelab plan <config.toml>`: capacity planning with the simulator.
 
 use anyhow::{Result, bail};
-use std::path::PathBuf;
 
-#[derive(clap::Args)]
-pub struct Args {
-    /// Planning config (TOML, `[experiment] kind = "plan"`).
-    pub config: PathBuf,
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-    #[arg(long)]
-    pub seed: Option<u64>,
-    #[arg(long)]
-    pub quiet: bool,
-}
+/// The same flags as `servelab run`.
+pub type Args = super::run::Args;
 
 pub fn run(a: Args) -> Result<()> {
     let cfg = crate::config::LoadedConfig::load(&a.config)?;
@@ -24,10 +14,5 @@ pub fn run(a: Args) -> Result<()> {
             cfg.header.kind
         );
     }
-    super::run::run(super::run::Args {
-        config: a.config,
-        out: a.out,
-        seed: a.seed,
-        quiet: a.quiet,
-    })
+    super::run::run(a)
 }

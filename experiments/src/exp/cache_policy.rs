@@ -382,6 +382,20 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         &prow,
     ));
     out.write_text("summary.md", &summary)?;
+    let cols = ["workload", "policy", "hit_rate", "compute_share"];
+    let mut headline = crate::sweep::headline::from_frame(&policies_df.select(cols)?, &cols[..2])?;
+    let cols = [
+        "workload",
+        "block_hit_rate",
+        "evictions",
+        "expirations",
+        "peak_bytes",
+    ];
+    headline.extend(crate::sweep::headline::from_frame(
+        &store_df.select(cols)?,
+        &cols[..1],
+    )?);
+    out.write_summary_json(&headline)?;
     out.write_manifest(&Manifest::new(
         "cache-policy",
         &ctx.config.path,

@@ -194,6 +194,8 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         cfg.profile, cfg.point.ranks
     );
     out.write_text("summary.md", &summary)?;
+    let keys = ["seqs_per_rank", "verification"];
+    out.write_summary_json(&crate::sweep::headline::from_frame(&df, &keys)?)?;
     out.write_manifest(&Manifest::new(
         "dspark",
         &ctx.config.path,

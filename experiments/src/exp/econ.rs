@@ -375,6 +375,11 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     utilisation_plot(&svg, &curves)?;
     let text = summary(ctx, &cfg, &curves);
     out.write_text("summary.md", &text)?;
+    let crossings = crossings_table(&curves)?;
+    out.write_summary_json(&crate::sweep::headline::from_frame(
+        &crossings,
+        &["decode_tps"],
+    )?)?;
     out.write_manifest(&Manifest::new(
         &ctx.config.header.kind,
         &ctx.config.path,

@@ -454,6 +454,8 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     }
     summary.push_str("\n## Files\n\n- `summary.csv`/`.parquet`: the table above with p50/max.\n- `imbalance_over_time.csv`/`.parquet`: binned imbalance per scenario and policy.\n- `imbalance_<scenario>.svg`: the same per scenario; `imbalance_vs_spec.svg`: the rows with a SPEC §9 figure.\n");
     out.write_text("summary.md", &summary)?;
+    let keys = ["scenario", "policy"];
+    out.write_summary_json(&crate::sweep::headline::from_frame(&summary_df, &keys)?)?;
     out.write_manifest(&Manifest::new(
         "eplb",
         &ctx.config.path,

@@ -508,6 +508,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         ));
     }
     out.write_text("summary.md", &summary)?;
+    out.write_summary_json(&crate::sweep::headline::plan(&cands, best(&cands)))?;
     out.write_manifest(&Manifest::new(
         "plan",
         &ctx.config.path,

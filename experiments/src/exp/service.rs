@@ -80,6 +80,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             ),
         ],
     )?;
+    out.write_summary_json(&crate::sweep::headline::service(&rep))?;
     out.write_manifest(&Manifest::new(
         "service",
         &ctx.config.path,
