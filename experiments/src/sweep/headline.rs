@@ -90,7 +90,7 @@ fn latencies(m: &mut Metrics, prefix: &str, l: &Latencies) {
 /// One simulated serving unit.
 pub fn service(rep: &ServiceReport) -> Metrics {
     let mut m = Metrics::new();
-    let rejected: u64 = rep.rejected.iter().map(|r| r.1).sum();
+    let rejected = rep.rejected_total();
     let st = &rep.steady;
     for (k, v) in [
         ("arrivals", rep.arrivals as f64),
@@ -109,20 +109,22 @@ pub fn service(rep: &ServiceReport) -> Metrics {
             st.decode_tokens_per_s_per_gpu,
         ),
         ("steady.decode_seqs_per_rank", st.decode_seqs_per_rank),
-        ("steady.decode_utilisation", st.decode_utilisation),
+        ("steady.decode_busy_fraction", st.decode_busy_fraction),
+        ("steady.decode_slot_occupancy", st.decode_slot_occupancy),
+        ("measured_rejection_rate", rep.measured_rejection_rate()),
         ("steady.accepted_length", st.accepted_length),
         (
             "steady.prefill_tokens_per_s_per_gpu",
             st.prefill_tokens_per_s_per_gpu,
         ),
-        ("steady.prefill_utilisation", st.prefill_utilisation),
+        ("steady.prefill_busy_fraction", st.prefill_busy_fraction),
     ] {
         if v.is_finite() {
             m.insert(k.to_string(), v);
         }
     }
-    for (reason, n) in &rep.rejected {
-        m.insert(format!("rejected.{reason}"), *n as f64);
+    for r in &rep.rejected {
+        m.insert(format!("rejected.{}", r.reason), r.requests as f64);
     }
     latencies(&mut m, "all.", &rep.all);
     for (class, l) in &rep.by_class {
