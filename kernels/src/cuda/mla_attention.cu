@@ -20,10 +20,11 @@
 // The split partials (max, sum, weighted values) are merged by mla_reduce, as in the GQA path.
 //
 // Compile-time (NVRTC -D): D_QK, D_V (D_V % (16 * NW) == 0), GROUP, MT (16-row m-tiles per
-// CTA), TK (keys per tile, TK / NW a multiple of 8, TK <= block_size so that a tile spans at
-// most two pool blocks), NW (warps), STAGES (>= 2), MINB (CTAs per SM for __launch_bounds__),
+// CTA), TK (keys per tile, TK / NW 8 or a multiple of 16, TK <= block_size so that a tile spans
+// at most two pool blocks), NW (warps), STAGES (>= 2), MINB (CTAs per SM for __launch_bounds__),
 // ROWP (shared latent row in bf16: an odd number of 16-byte chunks, so the eight rows of one
-// ldmatrix phase fall in distinct bank groups), PROWP (shared P row, likewise).
+// ldmatrix phase fall in distinct bank groups), PROWP (shared P row, likewise); optional QREG,
+// QG and PF (below).
 #define THREADS (NW * 32)
 #define NCH16 (D_QK / 8)
 #define KPW (TK / NW)
