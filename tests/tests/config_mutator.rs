@@ -10,7 +10,9 @@
 //!   through the `servelab` binary under a memory cap (`ulimit -v`) and a time cap: it must exit
 //!   with a clean error (status 1, `error: ...`, no panic) or succeed with finite outputs.
 //!
-//! The binary is the debug `servelab` that `cargo test --workspace` builds beside this test.
+//! The binary is the debug `servelab` that `cargo test --workspace` builds beside this test (or
+//! `$SERVELAB_BIN`); the second test is `#[ignore]`d until it has been run on a machine where
+//! that binary was built (see the issue 16 report), so run it with `-- --ignored`.
 
 use servelab_core::econ::{self, EconConfig, EconParams};
 use servelab_core::eplb::{
@@ -384,8 +386,11 @@ proptest::proptest! {
 
 // ---- The binary under caps. ----
 
-/// The debug `servelab` beside this test binary (`target/debug/servelab`).
+/// `$SERVELAB_BIN`, else the debug `servelab` beside this test binary (`target/debug/servelab`).
 fn servelab() -> PathBuf {
+    if let Some(bin) = std::env::var_os("SERVELAB_BIN") {
+        return PathBuf::from(bin);
+    }
     let exe = std::env::current_exe().unwrap();
     let bin = exe
         .parent()
@@ -536,6 +541,9 @@ fn non_finite_output(out: &Path) -> Option<String> {
 }
 
 #[test]
+#[ignore = "needs the servelab binary: `cargo build -p servelab-experiments`, then \
+            `cargo test -p servelab-tests --test config_mutator -- --ignored` \
+            (or SERVELAB_BIN=path)"]
 fn shrunk_configs_run_under_caps() {
     let bin = servelab();
     let root = std::env::temp_dir().join(format!("servelab-mutator-{}", std::process::id()));

@@ -205,8 +205,18 @@ impl ExpertPlacer {
         self.placement = next;
         self.refresh_shares();
         self.reassignments += 1;
-        let total: u64 = gpu_in.iter().sum::<u64>() * self.model.expert_bytes;
-        let worst = gpu_in.iter().copied().max().unwrap_or(0) * self.model.expert_bytes;
+        // Saturating: `expert_bytes` is a config value, and a count of bytes past 2^64 is
+        // reported as the largest one rather than wrapped.
+        let total: u64 = gpu_in
+            .iter()
+            .sum::<u64>()
+            .saturating_mul(self.model.expert_bytes);
+        let worst = gpu_in
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .saturating_mul(self.model.expert_bytes);
         let cost = Nanos::from_secs_f64(worst as f64 / self.ep.link_bytes_per_s);
         (total, cost)
     }

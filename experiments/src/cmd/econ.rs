@@ -362,6 +362,11 @@ fn render_single(r: &SingleReport) -> String {
     s += "\n";
     let hit = if e.pool_ratio_holds {
         pct(e.hit_rate)
+    } else if (0.0..=1.0).contains(&e.hit_rate_implied) {
+        format!(
+            "{} (but no 1:1 pools: fewer than one GPU in a pool)",
+            pct(e.hit_rate)
+        )
     } else {
         format!(
             "{} (implied {}, clamped)",
@@ -473,9 +478,18 @@ fn render_sweep(r: &SweepReport) -> String {
         &rows,
         true,
     );
-    if r.rows.iter().any(|e| !e.pool_ratio_holds) {
+    if r.rows
+        .iter()
+        .any(|e| !e.pool_ratio_holds && e.hit_rate_implied < 0.0)
+    {
         s += "  * the 1:1 pool ratio implies a hit rate below 0 here: computed with hit rate 0, \
               pools unequal, infeasible\n";
+    }
+    if r.rows
+        .iter()
+        .any(|e| !e.pool_ratio_holds && e.hit_rate_implied >= 0.0)
+    {
+        s += "  * no 1:1 pools here: a pool would hold less than one GPU (infeasible)\n";
     }
     let first = &r.rows[0];
     s += &format!(

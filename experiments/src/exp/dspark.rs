@@ -59,14 +59,17 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     cfg.acceptance
         .validate()
         .map_err(|e| anyhow!("{path}: {e}"))?;
-    // Work and memory grow with sequences × steps: bounded before anything is allocated.
+    // Work and memory grow with sequences × steps (warm-up steps run before the measured
+    // ones): bounded before anything is allocated.
+    let all_steps = u128::from(cfg.point.warmup_steps) + u128::from(cfg.point.steps);
     for &seqs in &cfg.seqs_per_rank {
-        let work = u128::from(cfg.point.ranks) * u128::from(seqs) * u128::from(cfg.point.steps);
+        let work = u128::from(cfg.point.ranks) * u128::from(seqs) * all_steps;
         if work > u128::from(MAX_SEQUENCE_STEPS) {
             bail!(
-                "{path}: invalid `point.steps`: {} ranks × {seqs} sequences × {} steps is more \
-                 than the {MAX_SEQUENCE_STEPS} sequence-steps a point may run",
+                "{path}: invalid `point.steps`: {} ranks × {seqs} sequences × ({} warm-up + {} \
+                 steps) is more than the {MAX_SEQUENCE_STEPS} sequence-steps a point may run",
                 cfg.point.ranks,
+                cfg.point.warmup_steps,
                 cfg.point.steps
             );
         }

@@ -120,7 +120,7 @@ fn run_scenario(
             t.imbalance.push(m.imbalance);
             if m.reassigned {
                 t.reassign_steps.push(step);
-                t.bytes_moved += m.bytes_moved;
+                t.bytes_moved = t.bytes_moved.saturating_add(m.bytes_moved);
                 t.cost_total += m.reassignment_cost_ns;
                 t.cost_max = t.cost_max.max(m.reassignment_cost_ns);
             }
