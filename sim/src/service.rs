@@ -179,9 +179,16 @@ impl ServiceConfig {
     fn validate_environment(&self) -> Result<(), ConfigError> {
         let p = &self.prefill;
         let d = &self.decode;
-        let machines =
-            p.gpus.div_ceil(p.gpus_per_machine) + (d.groups * d.ranks).div_ceil(d.gpus_per_machine);
-        if self.swa.machines < machines {
+        if p.gpus_per_machine == 0 || d.gpus_per_machine == 0 {
+            return Err(ConfigError::invalid(
+                "prefill.gpus_per_machine",
+                "machine sizes must be positive",
+            ));
+        }
+        // In 64 bits: groups × ranks comes from input and may not fit in 32.
+        let machines = u64::from(p.gpus).div_ceil(u64::from(p.gpus_per_machine))
+            + (u64::from(d.groups) * u64::from(d.ranks)).div_ceil(u64::from(d.gpus_per_machine));
+        if u64::from(self.swa.machines) < machines {
             return Err(ConfigError::invalid(
                 "swa.machines",
                 format!(

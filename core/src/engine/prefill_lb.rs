@@ -408,8 +408,14 @@ mod tests {
         assert!(!rr.hold(q(9, 1, 1.0, 0)), "the queue holds two");
         assert!(rr.pulls());
         assert_eq!(rr.queued(), 2);
-        assert_eq!(rr.pull(Nanos(1), EngineId(1), 1e9).unwrap().request, RequestId(7));
-        assert_eq!(rr.pull(Nanos(1), EngineId(0), 0.0).unwrap().request, RequestId(8));
+        assert_eq!(
+            rr.pull(Nanos(1), EngineId(1), 1e9).unwrap().request,
+            RequestId(7)
+        );
+        assert_eq!(
+            rr.pull(Nanos(1), EngineId(0), 0.0).unwrap().request,
+            RequestId(8)
+        );
         assert!(rr.pull(Nanos(1), EngineId(0), 0.0).is_none());
         assert_eq!(rr.next_round(), None);
     }
