@@ -40,6 +40,11 @@
 //! a prompt touches its blocks in order, an earlier block of a prompt is at most a few positions
 //! further down the LRU order than a later one, so the error this adds is a few blocks of
 //! distance. Reuse times need no scaling.
+//!
+//! Spatial sampling samples keys, not accesses: when a few keys carry much of the trace's hits
+//! (every Mooncake prompt starts with the same 512-token block), whether the hash keeps them
+//! shifts the whole curve by their share. The error is therefore measured against an unsampled
+//! pass wherever both fit (`servelab mrc` does so by default).
 
 use servelab_core::content::{hash2, mix64};
 use servelab_core::{BlockKey, ConfigError, Nanos, Request, TrafficClass};

@@ -202,7 +202,7 @@ fn rows_frame(rows: &[Row], x_name: &str, extra: Option<(&str, u64)>) -> Result<
             rows.iter().map(|r| r.counted_blocks).collect::<Vec<_>>(),
         ),
     ]);
-    Ok(DataFrame::new(cols)?)
+    Ok(DataFrame::new(rows.len(), cols)?)
 }
 
 /// Largest and mean absolute difference of token and block hit rates between two tables on the
@@ -317,9 +317,9 @@ fn curve_plot(
     x_label: &str,
     series: &[(String, usize, bool, Vec<(f64, f64, f64)>)],
 ) -> Result<()> {
-    let e = |e| anyhow::anyhow!("plot: {e:?}");
     let root = SVGBackend::new(path, (1200, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(e)?;
+    root.fill(&WHITE)
+        .map_err(|x| anyhow::anyhow!("plot: {x:?}"))?;
     let root = root
         .titled(title, ("sans-serif", 22))
         .map_err(|x| anyhow::anyhow!("plot: {x:?}"))?;
