@@ -29,6 +29,8 @@ enum Command {
     Hit(cmd::hit::Args),
     /// Replay a trace through the block store (no timing) and print hit rates.
     Replay(cmd::replay::Args),
+    /// Hit-rate curves of a trace for every store capacity and TTL in one pass.
+    Mrc(cmd::mrc::Args),
     /// DeepSeek EPLB: place redundant experts on GPUs.
     Eplb(cmd::eplb::Args),
     /// Economics of SPEC §12: revenue, pool sizes and the storage band.
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
         Command::Run(a) => cmd::run::run(a),
         Command::Hit(a) => cmd::hit::run(a),
         Command::Replay(a) => cmd::replay::run(a),
+        Command::Mrc(a) => cmd::mrc::run(a),
         Command::Eplb(a) => cmd::eplb::run(a),
         Command::Econ(a) => cmd::econ::run(a),
         Command::Plan(a) => cmd::plan::run(a),

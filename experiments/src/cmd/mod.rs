@@ -3,6 +3,7 @@ pub mod econ;
 pub mod eplb;
 pub mod hit;
 pub mod hw;
+pub mod mrc;
 pub mod plan;
 pub mod replay;
 pub mod run;
