@@ -10,7 +10,7 @@ use serde::Deserialize;
 use servelab_core::engine::VerificationPolicy;
 use servelab_sim::acceptance::AcceptanceModel;
 use servelab_sim::dspark::{DsparkPoint, DsparkResult, run_point};
-use servelab_sim::profile::HardwareProfile;
+use servelab_sim::profile::{HardwareProfile, ProfileFiles};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
