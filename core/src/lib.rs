@@ -13,6 +13,7 @@ pub mod error;
 pub mod hit;
 pub mod ids;
 pub mod perfect;
+pub mod profile;
 pub mod request;
 pub mod seed;
 pub mod store;

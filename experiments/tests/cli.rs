@@ -409,9 +409,10 @@ fn hw_refit_reproduces_the_committed_conformance_analysis() {
 }
 
 #[test]
-fn hw_conformance_replays_a_committed_record_and_takes_a_clock() {
-    // No GPU needed: the committed H200 run-8 record (virtual clock, from before step ends were
-    // recorded) replays at its recorded times with every plan identical.
+fn hw_conformance_analyses_a_committed_record_and_takes_a_clock() {
+    // No GPU needed: the committed H200 run-8 record (virtual clock, the one-device engine loop
+    // before the serving unit) has no input log, so it no longer replays; its steps still
+    // analyse, and the simulator runs the same unit config.
     let d = scratch("conformance");
     let record = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -433,7 +434,8 @@ fn hw_conformance_replays_a_committed_record_and_takes_a_clock() {
     assert!(stdout(&o).contains(" 0 mismatched"), "{}", stdout(&o));
     let report = std::fs::read_to_string(d.join("conformance.md")).unwrap();
     assert!(report.contains("Clock: **virtual**"), "{report}");
-    assert!(report.contains("**0 mismatched**"), "{report}");
+    assert!(report.contains("Not replayable"), "{report}");
+    assert!(report.contains("VirtualEnv"), "{report}");
     let o = servelab(&["hw", "conformance", config, "--clock", "sundial"]);
     assert!(!o.status.success());
     assert!(
@@ -446,8 +448,9 @@ fn hw_conformance_replays_a_committed_record_and_takes_a_clock() {
 #[test]
 fn hw_conformance_wide_record_meets_the_targets_offline() {
     // No GPU needed: the committed run-17 record of the device-bound wide model, re-analysed
-    // with the committed profile of that run, replays with every plan identical and meets both
-    // targets (the claim in hw/README "Runs 16–19").
+    // with the committed profile of that run, meets the step-time target plan by plan (the
+    // claim in hw/README "Runs 16–19"). Its TTFT was compared with the one-device loop's
+    // simulation; the simulator now runs the serving unit, so that row is not asserted here.
     let d = scratch("conformance-wide");
     let record = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -471,12 +474,8 @@ fn hw_conformance_wide_record_meets_the_targets_offline() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let report = std::fs::read_to_string(d.join("conformance.md")).unwrap();
-    assert!(report.contains("**0 mismatched**"), "{report}");
     assert!(report.contains("Target median ≤ 5.0%: met."), "{report}");
-    assert!(
-        report.contains("Target TTFT P50 and P99 within 10.0%: met."),
-        "{report}"
-    );
+    assert!(report.contains("devices share one GPU"), "{report}");
 }
 
 /// `servelab ... | head`: output into a pipe whose reader has gone ends the command quietly

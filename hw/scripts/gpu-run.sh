@@ -4,18 +4,27 @@
 # The device machine (x86-64, CUDA 13 driver, no Rust toolchain) then runs
 #     bash gpu-bundle/run.sh            # tests + test-report + speed, results under $OUT
 # e.g. through the device tool: run(command="bash gpu-bundle/run.sh", carry=["gpu-bundle"]).
-# Usage: hw/scripts/gpu-run.sh [--debug]
+# Usage: hw/scripts/gpu-run.sh [--debug] [--bin-only]
+#   BUNDLE=gpu-bundle-hw hw/scripts/gpu-run.sh --bin-only   (another staging folder, each
+#   worktree its own; --bin-only: servelab-gpu alone, no test executables)
+# servelab-gpu writes conformance records; the comparison with the simulator runs here
+# (`servelab hw conformance CONFIG --record R`), as servelab-hw does not link the simulator.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 profile=(--release)
-[[ "${1:-}" == "--debug" ]] && profile=()
+bin_only=0
+for a in "$@"; do
+  case "$a" in
+    --debug) profile=() ;;
+    --bin-only) bin_only=1 ;;
+  esac
+done
 
-bundle=gpu-bundle
+bundle=${BUNDLE:-gpu-bundle}
 rm -rf "$bundle"
 mkdir -p "$bundle/tests"
 
-echo "building test executables..." >&2
-cargo test "${profile[@]}" -p servelab-kernels -p servelab-hw --no-run --message-format=json 2>/dev/null \
+[[ $bin_only -eq 1 ]] || { echo "building test executables..." >&2; cargo test "${profile[@]}" -p servelab-kernels -p servelab-hw --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -27,7 +36,7 @@ for line in sys.stdin:
         print(m["target"]["name"] + "\t" + m["executable"])
 ' | while IFS=$'\t' read -r name exe; do
     cp "$exe" "$bundle/tests/$name"
-  done
+  done; }
 echo "building servelab-gpu..." >&2
 cargo build "${profile[@]}" -p servelab-hw --bin servelab-gpu
 dir=target/release; [[ ${#profile[@]} -eq 0 ]] && dir=target/debug

@@ -27,7 +27,8 @@ use servelab_core::engine::{ActiveExpertTerm, DecodeTimeModel, PrefillCostModel}
 use servelab_core::ids::{EngineId, RequestId};
 
 use crate::backend::{BackendError, CudaBackend};
-use crate::conformance::{ConformanceError, RecordedStep};
+use crate::conformance::ConformanceError;
+use crate::env::RecordedStep;
 
 /// What to sweep.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -950,6 +951,8 @@ mod tests {
                 start_ns: 0,
                 end_ns: 0,
                 duration_ns: t.round() as u64,
+                device: None,
+                queued_ns: 0,
                 plan: StepPlan::Prefill(PrefillPlan {
                     engine: EngineId(0),
                     chunks,
@@ -974,6 +977,8 @@ mod tests {
                 start_ns: 0,
                 end_ns: 0,
                 duration_ns: t.round() as u64,
+                device: None,
+                queued_ns: 0,
                 plan: StepPlan::Decode(DecodePlan {
                     engine: EngineId(1),
                     ranks: vec![DecodeRankPlan {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::clock::ClockKind;
 use crate::commands::{self, CalibrateOptions, CommandError, ConformanceOptions, RefitOptions};
 use crate::conformance::{ConformanceFile, dry_run};
+use servelab_core::engine::StepPlan;
 
 /// For a command-line tool's `main`, before anything is printed: Rust ignores SIGPIPE, so a
 /// print into a closed pipe (`servelab ... | head`) panics. Like other Unix tools, end quietly
@@ -200,17 +201,16 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
                 r.decode_offset_ns / 1e6
             );
             if let Some(rec) = record {
-                let sources = format!(
-                    "Cost-model shapes fitted on the sweep `{}`; the decode engine offset on the first {:.0}% of the record's decode steps; the remaining steps are held out.",
-                    sweep.display(),
-                    100.0 * decode_offset_fraction
-                );
-                commands::refit_conformance(&rec, &r, &report_dir, &prefix, &sources)?;
+                // The re-analysis needs the simulator: `servelab hw refit` does it
+                // (servelab-experiments); here the record only set the decode offset.
                 println!(
-                    "wrote {}",
-                    report_dir
-                        .join(format!("{prefix}conformance-refit.md"))
-                        .display()
+                    "decode offset from {} (steps 0..{}); re-analyse with `servelab hw \
+                     conformance CONFIG --record {} --profile {}` (report in {}{prefix})",
+                    rec.display(),
+                    r.fit_steps,
+                    rec.display(),
+                    out.display(),
+                    report_dir.display()
                 );
             }
         }
@@ -251,12 +251,12 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
             let text = read(&config)?;
             let file = ConformanceFile::parse(&text, &config.display().to_string())?;
             let spec = profile.unwrap_or_else(|| file.conformance.profile.clone());
-            let ptext = read(std::path::Path::new(&spec))?;
-            let run = dry_run(&file, &ptext)?;
+            let ptext = commands::profile_text(&spec)?;
+            let run = dry_run(&file, &ptext)?.run;
             let pre = run
                 .steps
                 .iter()
-                .filter(|s| matches!(s.plan, servelab_core::engine::StepPlan::Prefill(_)))
+                .filter(|s| matches!(s.plan, StepPlan::Prefill(_)))
                 .count();
             println!(
                 "dry run: {} requests, {} steps ({pre} prefill), {:.1} ms of simulated device time (out {})",
@@ -287,18 +287,16 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
                 commit,
                 prefix,
             };
-            let a = commands::conformance(&o, log)?;
+            let (_, check) = commands::conformance(&o, log)?;
             println!(
-                "{} plans, {} mismatched; step-time error median {:.1}%, P90 {:.1}%",
-                a.steps,
-                a.replay.mismatched_steps,
-                100.0 * a.step_errors.all.abs_median,
-                100.0 * a.step_errors.all.abs_p90
+                "{} plans, {} mismatched in the replay (the comparison with the simulator: \
+                 `servelab hw conformance --record`)",
+                check.recorded_steps, check.mismatched_steps
             );
-            if a.replay.mismatched_steps > 0 {
+            if check.mismatched_steps > 0 {
                 return Err(CommandError::Failed(format!(
                     "{} of {} plans differ between the GPU run and its replay",
-                    a.replay.mismatched_steps, a.replay.recorded_steps
+                    check.mismatched_steps, check.recorded_steps
                 )));
             }
         }

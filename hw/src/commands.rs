@@ -7,11 +7,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use servelab_kernels::GpuContext;
-use servelab_sim::profile::HardwareProfile;
 
 use crate::backend::{BackendConfig, BackendError, CudaBackend, ModelShape};
 use crate::clock::ClockKind;
-use crate::conformance::{self, ConformanceError, ConformanceFile, Record};
+use crate::conformance::{self, ConformanceError, ConformanceFile, Record, parse_profile};
 use crate::{calibrate, checks, report, speed};
 
 /// Why a command failed.
@@ -133,14 +132,25 @@ pub struct CalibrateOptions {
     pub workload_seed: Option<u64>,
 }
 
-/// The text of the profile `spec` names (a shipped name or a `.toml` path), validated.
-fn profile_text(spec: &str) -> Result<String, CommandError> {
-    HardwareProfile::resolve(spec)?;
-    if spec.ends_with(".toml") {
-        read(Path::new(spec))
-    } else {
-        Ok(servelab_sim::profile::SM100_PUBLISHED.to_string())
-    }
+/// The shipped profile fitted to the published operating points (the simulator's default; the
+/// file stays with the simulator's profiles, this crate only reads its text).
+pub const SM100_PUBLISHED: &str = include_str!("../../sim/profiles/sm100-published.toml");
+
+/// The text of the profile `spec` names (`sm100-published` or a `.toml` path), validated.
+pub fn profile_text(spec: &str) -> Result<String, CommandError> {
+    let text = match spec {
+        "sm100-published" => SM100_PUBLISHED.to_string(),
+        s if s.ends_with(".toml") => read(Path::new(s))?,
+        other => {
+            return Err(servelab_core::ConfigError::invalid(
+                "profile",
+                format!("unknown profile `{other}` (shipped: sm100-published; or a .toml path)"),
+            )
+            .into());
+        }
+    };
+    parse_profile(&text, spec)?;
+    Ok(text)
 }
 
 /// Sweeps step shapes through the CUDA backend, fits the profile and writes it. Returns the
@@ -366,12 +376,10 @@ pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
                 path: path.clone(),
                 cause,
             })?;
-        let file = ConformanceFile::parse(&record.config, "record.config")?;
         let text = calibrate::profile_toml(&fit, &sweep, &header);
-        let sweep_only = HardwareProfile::from_toml_str(&text, "refit")?;
-        let cost = conformance::prediction_cost(&file, sweep_only)?;
+        let sweep_only = parse_profile(&text, "refit")?;
         split = conformance::decode_split(&record.run.steps, o.decode_offset_fraction);
-        offset = conformance::decode_offset_ns(&cost, &record.run.steps[..split]);
+        offset = conformance::decode_offset_ns(&sweep_only.decode, &record.run.steps[..split]);
         fit.decode.base_ns = (fit.decode.base_ns + offset).max(0.0);
         for r in &mut fit.decode_residuals {
             r.1 += offset;
@@ -395,7 +403,7 @@ pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
         );
     }
     let text = calibrate::profile_toml(&fit, &sweep, &header);
-    HardwareProfile::from_toml_str(&text, "refit")?;
+    parse_profile(&text, "refit")?;
     let dir = o.out.parent().unwrap_or(Path::new("."));
     write(dir, &file_name(&o.out), &text)?;
     Ok(Refit {
@@ -403,88 +411,6 @@ pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
         decode_offset_ns: offset,
         fit_steps: split,
     })
-}
-
-/// A record re-analysed with a re-fitted profile, plus the step errors over the held-out part
-/// (steps from `fit_steps` on) alone.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct RefitAnalysis {
-    pub analysis: conformance::Analysis,
-    pub fit_steps: usize,
-    pub decode_offset_ns: f64,
-    pub held_out: conformance::StepErrors,
-}
-
-/// Re-analyses `record` with the profile `refit` wrote; writes `{prefix}conformance-refit.md`
-/// and `.json` under `out`. `sources` is a markdown paragraph saying which data fitted what.
-pub fn refit_conformance(
-    record: &Path,
-    refit: &Refit,
-    out: &Path,
-    prefix: &str,
-    sources: &str,
-) -> Result<RefitAnalysis, CommandError> {
-    let rec: Record = serde_json::from_str(&read(record)?).map_err(|cause| CommandError::Json {
-        path: record.to_path_buf(),
-        cause,
-    })?;
-    let profile = HardwareProfile::from_toml_str(&refit.profile_text, "refit")?;
-    let analysis = conformance::analyze(&rec, profile.clone())?;
-    let file = ConformanceFile::parse(&rec.config, "record.config")?;
-    let cost = conformance::prediction_cost(&file, profile)?;
-    let split = refit.fit_steps.min(rec.run.steps.len());
-    let held_out = conformance::step_errors(&cost, &rec.run.steps[split..]);
-    let mut md = conformance::markdown(&analysis);
-    md.push_str(&format!(
-        "\n## 4. What was fitted on what\n\n{sources}\n\n\
-         Held out: run steps {split}..{} ({} steps: {} prefill, {} decode), predicted by the same \
-         profile; the decode offset ({:+.3} ms) was fitted on steps 0..{split} only.\n\n\
-         | held-out steps | n | median abs error | P90 abs error | median signed | total |\n\
-         |---|---|---|---|---|---|\n",
-        rec.run.steps.len(),
-        held_out.all.steps,
-        held_out.prefill.steps,
-        held_out.decode.steps,
-        refit.decode_offset_ns / 1e6,
-    ));
-    let upct = |x: f64| format!("{:.1}%", 100.0 * x);
-    let pct = |x: f64| format!("{:+.1}%", 100.0 * x);
-    for (name, st) in [
-        ("all", &held_out.all),
-        ("prefill", &held_out.prefill),
-        ("decode", &held_out.decode),
-    ] {
-        md.push_str(&format!(
-            "| {name} | {} | {} | {} | {} | {} |\n",
-            st.steps,
-            upct(st.abs_median),
-            upct(st.abs_p90),
-            pct(st.signed_median),
-            pct(st.total)
-        ));
-    }
-    md.push_str(&format!(
-        "\nHeld-out median ≤ {}: {}.\n",
-        upct(conformance::STEP_ERROR_MEDIAN_TARGET),
-        if held_out.all.abs_median <= conformance::STEP_ERROR_MEDIAN_TARGET {
-            "met"
-        } else {
-            "**not met**"
-        }
-    ));
-    let a = RefitAnalysis {
-        analysis,
-        fit_steps: split,
-        decode_offset_ns: refit.decode_offset_ns,
-        held_out,
-    };
-    write(out, &format!("{prefix}conformance-refit.md"), &md)?;
-    write(
-        out,
-        &format!("{prefix}conformance-refit.json"),
-        &serde_json::to_string_pretty(&a).unwrap_or_default(),
-    )?;
-    Ok(a)
 }
 
 fn file_name(p: &Path) -> String {
@@ -510,70 +436,26 @@ pub struct ConformanceOptions {
     pub prefix: String,
 }
 
-/// Runs (or loads) the GPU record, then replays, predicts and free-runs it; writes
-/// `conformance.md`, `conformance.json` and `conformance-record.json` under `out`.
+/// Reads a record written by [`conformance`].
+pub fn read_record(path: &Path) -> Result<Record, CommandError> {
+    serde_json::from_str(&read(path)?).map_err(|cause| CommandError::Json {
+        path: path.to_path_buf(),
+        cause,
+    })
+}
+
+/// Runs the GPU record (or loads it with `--record`) and replays it through the unit; writes
+/// `conformance-record.json` (a GPU run) and `conformance-replay.md` under `out`. The
+/// comparison with the simulator is `servelab hw conformance` (servelab-experiments), which
+/// calls this first.
 pub fn conformance(
     o: &ConformanceOptions,
     log: &mut dyn FnMut(&str),
-) -> Result<conformance::Analysis, CommandError> {
-    let record: Record = match &o.record {
-        Some(path) => serde_json::from_str(&read(path)?).map_err(|cause| CommandError::Json {
-            path: path.clone(),
-            cause,
-        })?,
+) -> Result<(Record, conformance::ReplayCheck), CommandError> {
+    let record = match &o.record {
+        Some(path) => read_record(path)?,
         None => {
-            let origin = o.config.display().to_string();
-            let text = read(&o.config)?;
-            let file = ConformanceFile::parse(&text, &origin)?;
-            let spec = o
-                .profile
-                .clone()
-                .unwrap_or_else(|| file.conformance.profile.clone());
-            // Loaded (and validated) here; its text goes into the record.
-            let profile_text = profile_text(&spec)?;
-            let gpu = Arc::new(open_gpu()?);
-            let t0 = Instant::now();
-            let rec = match o.clock {
-                ClockKind::Virtual => {
-                    // As in calibration and the wall clock: one CPU for the launching thread.
-                    let pin = crate::affinity::pin_to_current_cpu();
-                    let mut b = CudaBackend::new(gpu, file.backend.clone())?;
-                    log(&format!(
-                        "backend ready in {:.1} s",
-                        t0.elapsed().as_secs_f64()
-                    ));
-                    let mut rec = conformance::run_on_gpu(
-                        &mut b,
-                        &text,
-                        &origin,
-                        &profile_text,
-                        &o.date,
-                        &o.commit,
-                    )?;
-                    rec.run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
-                    rec
-                }
-                // The backend is built and warmed up on the device thread first.
-                ClockKind::Wall => conformance::run_on_gpu_wall(
-                    gpu,
-                    &text,
-                    &origin,
-                    &profile_text,
-                    &o.date,
-                    &o.commit,
-                )?,
-            };
-            let device_ns: u64 = rec.run.steps.iter().map(|s| s.duration_ns).sum();
-            log(&format!(
-                "GPU run ({} clock): {} steps, run {:.1} ms on its clock, {:.1} ms of device \
-                 time, {} arrivals admitted during a step; {:.1} s with backend set-up",
-                rec.run.clock,
-                rec.run.steps.len(),
-                rec.run.end_ns as f64 / 1e6,
-                device_ns as f64 / 1e6,
-                rec.run.admitted_in_flight,
-                t0.elapsed().as_secs_f64()
-            ));
+            let rec = gpu_record(o, log)?;
             write(
                 &o.out,
                 &format!("{}conformance-record.json", o.prefix),
@@ -582,20 +464,83 @@ pub fn conformance(
             rec
         }
     };
-    let profile = match &o.profile {
-        Some(spec) => HardwareProfile::resolve(spec)?,
-        None => HardwareProfile::from_toml_str(&record.policy_profile, "record.profile")?,
-    };
-    let a = conformance::analyze(&record, profile)?;
-    let md = conformance::markdown(&a);
-    write(&o.out, &format!("{}conformance.md", o.prefix), &md)?;
-    write(
-        &o.out,
-        &format!("{}conformance.json", o.prefix),
-        &serde_json::to_string_pretty(&a).unwrap_or_default(),
-    )?;
+    let check = conformance::replay_record(&record)?;
+    let md = replay_markdown(&record, &check);
+    write(&o.out, &format!("{}conformance-replay.md", o.prefix), &md)?;
     log(&md);
-    Ok(a)
+    Ok((record, check))
+}
+
+fn gpu_record(o: &ConformanceOptions, log: &mut dyn FnMut(&str)) -> Result<Record, CommandError> {
+    let origin = o.config.display().to_string();
+    let text = read(&o.config)?;
+    let file = ConformanceFile::parse(&text, &origin)?;
+    let spec = o
+        .profile
+        .clone()
+        .unwrap_or_else(|| file.conformance.profile.clone());
+    // Loaded (and validated) here; its text goes into the record.
+    let profile_text = profile_text(&spec)?;
+    let gpu = Arc::new(open_gpu()?);
+    let t0 = Instant::now();
+    let rec = match o.clock {
+        ClockKind::Virtual => {
+            // As in calibration and the wall clock: one CPU for the launching thread.
+            let pin = crate::affinity::pin_to_current_cpu();
+            let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+            log(&format!(
+                "backend ready in {:.1} s",
+                t0.elapsed().as_secs_f64()
+            ));
+            let mut rec =
+                conformance::run_on_gpu(&mut b, &text, &origin, &profile_text, &o.date, &o.commit)?;
+            rec.run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
+            rec
+        }
+        // The backend is built and warmed up on the device thread first.
+        ClockKind::Wall => {
+            conformance::run_on_gpu_wall(gpu, &text, &origin, &profile_text, &o.date, &o.commit)?
+        }
+    };
+    let device_ns: u64 = rec.run.steps.iter().map(|s| s.duration_ns).sum();
+    log(&format!(
+        "GPU run ({} clock): {} steps, run {:.1} ms on its clock, {:.1} ms of device time, {} \
+         arrivals handled during a step; {:.1} s with backend set-up",
+        rec.run.clock,
+        rec.run.steps.len(),
+        rec.run.end_ns as f64 / 1e6,
+        device_ns as f64 / 1e6,
+        rec.run.admitted_in_flight,
+        t0.elapsed().as_secs_f64()
+    ));
+    Ok(rec)
+}
+
+/// The replay's result in a few lines.
+pub fn replay_markdown(record: &Record, c: &conformance::ReplayCheck) -> String {
+    let mut md = format!(
+        "# Conformance record: replay through the serving unit\n\n\
+         GPU: {}; date {}; commit {}; {} clock; {} inputs, {} steps, {} requests.\n\n",
+        record.gpu,
+        record.date,
+        record.commit,
+        record.run.clock,
+        record.run.inputs.len(),
+        record.run.steps.len(),
+        record.run.requests.len()
+    );
+    if c.replayable {
+        md.push_str(&format!(
+            "{} recorded plans, {} replayed, **{} mismatched**; request outcomes identical: {}.\n",
+            c.recorded_steps, c.replayed_steps, c.mismatched_steps, c.outcomes_identical
+        ));
+    } else {
+        md.push_str("Not replayable: the record has no input log (the engine loop before the serving unit).\n");
+    }
+    for m in &c.first_mismatches {
+        md.push_str(&format!("- {m}\n"));
+    }
+    md
 }
 
 /// Speed against this GPU's own ceilings; writes `speed.md` / `.json`. Returns the markdown.
@@ -733,32 +678,27 @@ mod tests {
         }
     }
 
-    /// The conformance command analyses a record without a GPU (a cost-model run stands in
-    /// for the GPU run), and reports a missing record by its path.
+    /// The conformance command replays a record without a GPU (a dry run stands in for the
+    /// GPU run), and reports a missing record by its path.
     #[test]
-    fn conformance_analyses_a_record_without_a_gpu() {
+    fn conformance_replays_a_record_without_a_gpu() {
         let dir = std::env::temp_dir().join(format!("servelab-hw-conf-{}", std::process::id()));
         let missing = conformance_opts(&dir, Some(dir.join("nope.json")));
         let e = conformance(&missing, &mut |_| {}).unwrap_err().to_string();
         assert!(e.contains("nope.json"), "{e}");
         let config = include_str!("../../experiments/configs/conformance.toml").to_string();
-        let profile_text = servelab_sim::profile::SM100_PUBLISHED.to_string();
         let file = ConformanceFile::parse(&config, "conformance.toml").unwrap();
-        let rec = Record {
-            run: conformance::dry_run(&file, &profile_text).unwrap(),
-            config,
-            policy_profile: profile_text,
-            gpu: "none".into(),
-            date: "d".into(),
-            commit: "c".into(),
-        };
+        let mut rec = conformance::dry_run(&file, SM100_PUBLISHED).unwrap();
+        rec.config = config;
         let path = dir.join("rec.json");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(&path, serde_json::to_string(&rec).unwrap()).unwrap();
-        let a = conformance(&conformance_opts(&dir, Some(path)), &mut |_| {}).unwrap();
-        assert_eq!(a.replay.mismatched_steps, 0);
-        let md = std::fs::read_to_string(dir.join("t-conformance.md")).unwrap();
-        assert!(md.contains("Clock: **virtual**"), "{md}");
+        let (_, check) = conformance(&conformance_opts(&dir, Some(path)), &mut |_| {}).unwrap();
+        assert!(check.replayable);
+        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+        assert!(check.outcomes_identical);
+        let md = std::fs::read_to_string(dir.join("t-conformance-replay.md")).unwrap();
+        assert!(md.contains("**0 mismatched**"), "{md}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -1,51 +1,36 @@
-//! Conformance (issue 6 item 5, SPEC §16): one workload through the same policy objects on the
-//! GPU and in the simulator.
+//! Conformance (issue 6 item 5, issue 15, SPEC §16): one workload through the serving unit of
+//! `servelab_core::unit` on the GPU, recorded so that it can be replayed and compared with the
+//! simulator's run of the same unit (the comparison lives in `servelab-experiments`, which
+//! has the simulator; this crate does not depend on it).
 //!
-//! [`drive_on`] is the one engine loop: hit rules + [`KvStore`] + [`SwaCache`] at arrival, one
-//! [`PrefillEngine`] with its chunk scheduler, one [`DecodeGroup`] (one rank) with DSpark
-//! verification, all on one device that runs one step at a time. It reads time only from its
-//! [`Clock`] ([`crate::clock`]): the virtual clock moves by the durations the [`Backend`]
-//! reports and jumps to the next arrival when idle ([`drive`]); the wall clock runs the device
-//! on a worker thread and admits arrivals while a step is in flight. Either way the record
-//! holds each step's start and end, so the same answers at the same times give the same plans.
-//! The four parts:
-//!
-//! 1. the GPU run ([`CudaBackend`]), recording arrivals and every plan with its report and
-//!    times ([`Record`]);
-//! 2. a replay of the recorded reports at the recorded times through the same driver
-//!    ([`RecordedClock`]): every plan must be identical ([`replay_check`]);
-//! 3. per plan, the simulator's cost model with the measured profile predicts the duration
-//!    ([`step_errors`]);
-//! 4. a free-running run with the simulator's [`CostModel`], compared with the GPU run by TTFT
-//!    and TPOT percentiles ([`latency_comparison`]).
-//!
-//! The device alternates between prefill and decode when both have work (one GPU serves both
-//! roles here; SPEC §8 disaggregates them), and decode is scheduled synchronously: the next
-//! plan is built after the previous report. What overlaps a step on the wall clock is the
-//! admission of new arrivals (SPEC §6: the CPU works while the GPU runs step N).
-
-use std::collections::VecDeque;
+//! The `[conformance]` section maps onto a [`UnitConfig`] ([`ConformanceFile::unit_config`]):
+//! a prefill pool of `prefill.gpus` engines and a decode pool of `decode.groups` one-rank
+//! groups, every one of them a device of the unit sharing the one GPU ([`crate::env`]). One
+//! engine and one group reproduce the one-device conformance run of before the unit; two and
+//! two put the tiered prefill balancer and the count + KV decode balancer to work. The
+//! model-shaped serving constants (layers, window, block size, KV bytes per token) are taken
+//! from `[backend.model]`, so hits, chunks and swap-in sizes describe the model the GPU runs.
 
 use serde::{Deserialize, Serialize};
-use servelab_core::content::hash2;
 use servelab_core::engine::{
-    Backend, ChunkPolicy, DecodeGroup, DecodeGroupConfig, PrefillEngine, PrefillJob, PrefillPlan,
-    RankOutcome, Scheduling, SeqEmission, SeqOutcome, StepPlan, StepReport, VerificationPolicy,
+    ChunkPolicy, DecodeLbPolicy, DecodeTimeModel, PrefillLbPolicy, Scheduling, StepPlan,
+    StepReport, VerificationPolicy,
+};
+use servelab_core::profile::HardwareProfile;
+use servelab_core::unit::drive::NoObserver;
+use servelab_core::unit::{
+    DecodePoolConfig, Environment, PrefillPoolConfig, ServiceReport, ServingUnit, SharedCache,
+    UnitConfig,
 };
 use servelab_core::{
-    BlockKey, ConfigError, EngineId, HitInputs, HitPolicy, KvStore, MachineId, Nanos, Request,
-    RequestId, ServingConstants, StoreConfig, SwaCache, SwaConfig, SwaSource,
+    ConfigError, EngineId, HitPolicy, Nanos, Request, RequestId, ServingConstants, StoreConfig,
+    SwaConfig,
 };
-use servelab_sim::acceptance::AcceptanceModel;
-use servelab_sim::cost::{CostModel, SwapIn};
-use servelab_sim::profile::HardwareProfile;
 use servelab_workloads::generate::WorkloadConfig;
 
 use crate::backend::{BackendConfig, CudaBackend, ModelShape};
-use crate::clock::{Admitted, Clock, ClockKind, RecordedClock, VirtualClock, WallClock};
-
-/// Tag mixed into a prefix key to name its SWA state object in the block store (SWA-on-SSD).
-const SWA_OBJECT_TAG: u64 = 0x5357_415f_5354_4154;
+use crate::clock::WallDevice;
+use crate::env::{GpuEnv, ReplayEnv, RunOutcome, StepFn, request_outcomes};
 
 /// The conformance config file (`experiments/configs/conformance.toml`).
 #[derive(Clone, Debug, Deserialize)]
@@ -60,14 +45,12 @@ pub struct ConformanceFile {
     pub workload: WorkloadConfig,
 }
 
-/// Policies of the run. The model-shaped serving constants (layers, window, block size, KV
-/// bytes per token) are taken from `[backend.model]`, so hits, chunks and swap-in sizes
-/// describe the model the GPU runs.
+/// The unit's policies for the run.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConformanceConfig {
-    /// Hardware profile (shipped name or `.toml` path): the cost models the chunk scheduler and
-    /// the DSpark budget use, and what the simulator predicts with.
+    /// Hardware profile (shipped name or `.toml` path): the cost models the chunk scheduler,
+    /// the balancer and the DSpark budget use, and what the simulator predicts with.
     pub profile: String,
     #[serde(default = "deepinfer")]
     pub hit_policy: HitPolicy,
@@ -81,21 +64,72 @@ pub struct ConformanceConfig {
     pub store: StoreConfig,
     #[serde(default)]
     pub swa: SwaConfig,
+    /// `prefill.chunking` of the unit.
     pub chunking: ChunkPolicy,
-    pub max_prefill_jobs: usize,
+    /// `prefill.max_jobs_per_engine`.
+    pub max_prefill_jobs: u32,
+    /// `decode.max_seqs_per_rank`.
     pub max_seqs: u32,
+    /// `decode.kv_capacity_tokens_per_rank`.
     pub kv_capacity_tokens: u64,
+    /// `decode.max_waiting_per_rank`.
     pub max_waiting: u32,
     pub verification: VerificationPolicy,
+    #[serde(default)]
+    pub prefill: PrefillSection,
+    #[serde(default)]
+    pub decode: DecodeSection,
     /// Throwaway plans run on the GPU before the recorded run (cuBLAS heuristics, allocator).
     #[serde(default = "warmups")]
     pub warmup_steps: u32,
     /// Seed of a whole throwaway run of the workload before the recorded one (absent: none):
-    /// the ladder of `warmup_steps` does not warm everything a long run touches (on the wide
-    /// model, run 16, prefill steps of the run's first ~6 s took 1.5–1.9x their prediction and
-    /// later ones 1.0x, while decode steps matched throughout).
+    /// the ladder of `warmup_steps` does not warm everything a long run touches (see
+    /// hw/measurements/2026-11-29-nvidia-h200-run16-wide-conformance.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup_run_seed: Option<u64>,
+}
+
+/// The unit's prefill pool on the one GPU.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefillSection {
+    /// Prefill engines (devices of the unit sharing the GPU).
+    pub gpus: u32,
+    /// With one engine the push balancer queues what the engine cannot take yet, as the
+    /// one-device loop's backlog did.
+    pub lb: PrefillLbPolicy,
+    pub max_queued_requests: u32,
+}
+
+impl Default for PrefillSection {
+    fn default() -> Self {
+        PrefillSection {
+            gpus: 1,
+            lb: PrefillLbPolicy::LeastLoaded,
+            max_queued_requests: 100_000,
+        }
+    }
+}
+
+/// The unit's decode pool: one-rank EP groups on the one GPU.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DecodeSection {
+    pub groups: u32,
+    pub lb: DecodeLbPolicy,
+    /// Synchronous (the next plan after the report) unless set: the GPU run's host planning is
+    /// real time, the profile's `sync_gap` is what the simulator adds for it.
+    pub scheduling: Scheduling,
+}
+
+impl Default for DecodeSection {
+    fn default() -> Self {
+        DecodeSection {
+            groups: 1,
+            lb: DecodeLbPolicy::CountAndKv,
+            scheduling: Scheduling::Sync,
+        }
+    }
 }
 
 fn deepinfer() -> HitPolicy {
@@ -109,6 +143,15 @@ fn replay_140() -> u32 {
 }
 fn warmups() -> u32 {
     3
+}
+
+/// Parses a hardware profile's TOML text (the text a record carries; files and shipped names
+/// are resolved by the caller).
+pub fn parse_profile(text: &str, origin: &str) -> Result<HardwareProfile, ConfigError> {
+    let p: HardwareProfile = toml::from_str(text)
+        .map_err(|e| ConfigError::invalid(origin, e.to_string().trim_end().to_string()))?;
+    p.validate()?;
+    Ok(p)
 }
 
 impl ConformanceFile {
@@ -132,8 +175,14 @@ impl ConformanceFile {
         }
     }
 
-    /// The policies, with `profile` as their cost models.
-    pub fn setup(&self, profile: HardwareProfile) -> Result<Setup, ConfigError> {
+    /// The serving constants of the scaled-down model.
+    pub fn constants(&self) -> Result<ServingConstants, ConfigError> {
+        constants_for(&self.backend.model, &self.conformance)
+    }
+
+    /// The unit the config describes, with `profile`'s cost models; every request measured,
+    /// every request in the report's table.
+    pub fn unit_config(&self, profile: &HardwareProfile) -> Result<UnitConfig, ConfigError> {
         let c = &self.conformance;
         if !matches!(
             c.hit_policy,
@@ -148,52 +197,66 @@ impl ConformanceFile {
                 ),
             ));
         }
-        let constants = constants_for(&self.backend.model, c)?;
-        c.chunking.validate()?;
-        if c.max_prefill_jobs == 0 {
+        let unit = UnitConfig {
+            constants: self.constants()?,
+            hit_policy: c.hit_policy,
+            prefill: PrefillPoolConfig {
+                gpus: c.prefill.gpus,
+                gpus_per_machine: 8,
+                chunking: c.chunking.clone(),
+                lb: c.prefill.lb.clone(),
+                max_jobs_per_engine: c.max_prefill_jobs,
+                max_queued_requests: c.prefill.max_queued_requests,
+                expert_imbalance: 1.0,
+            },
+            decode: DecodePoolConfig {
+                groups: c.decode.groups,
+                gpus_per_machine: 8,
+                ranks: 1,
+                max_seqs_per_rank: c.max_seqs,
+                kv_capacity_tokens_per_rank: c.kv_capacity_tokens,
+                max_waiting_per_rank: c.max_waiting,
+                verification: c.verification.clone(),
+                scheduling: c.decode.scheduling,
+                lb: c.decode.lb,
+                expert_imbalance: 1.0,
+            },
+            prefill_cost: profile.prefill.clone(),
+            decode_time: profile.decode.clone(),
+            sync_gap: profile.transfer.sync_gap,
+            warmup: Nanos::ZERO,
+            measure_until: None,
+            series_interval: Nanos::from_secs(1),
+            sample_every: 1,
+            touch_coalesce: Nanos::ZERO,
+        };
+        unit.validate().map_err(|e| prefixed(e, "conformance"))?;
+        if c.swa.machines < unit.machines() {
             return Err(ConfigError::invalid(
-                "conformance.max_prefill_jobs",
-                "must be positive",
+                "conformance.swa.machines",
+                format!(
+                    "{} machines hold SWA state but the unit has {} (prefill + decode)",
+                    c.swa.machines,
+                    unit.machines()
+                ),
             ));
         }
-        let decode = DecodeGroupConfig {
-            ranks: 1,
-            max_seqs_per_rank: c.max_seqs,
-            kv_capacity_tokens_per_rank: c.kv_capacity_tokens,
-            max_waiting_per_rank: c.max_waiting,
-            draft_tokens: c.draft_tokens,
-            verification: c.verification.clone(),
-            scheduling: Scheduling::Sync,
-            expert_imbalance: 1.0,
-        };
-        decode.validate()?;
-        c.store.validate(constants.block_bytes())?;
-        c.swa.validate()?;
-        Ok(Setup {
-            constants,
-            hit_policy: c.hit_policy,
-            store: c.store.clone(),
-            swa: c.swa.clone(),
-            chunking: c.chunking.clone(),
-            max_prefill_jobs: c.max_prefill_jobs,
-            decode,
-            profile,
-        })
+        Ok(unit)
     }
 
-    /// The simulator's acceptance model matched to the GPU backend's draw: every verified draft
-    /// accepted with probability `draft_acceptance` while the prefix holds, confidences exact.
-    pub fn matched_acceptance(&self) -> AcceptanceModel {
-        let p = self.backend.draft_acceptance.clamp(1e-6, 1.0 - 1e-6);
-        AcceptanceModel {
-            mean_logit: (p / (1.0 - p)).ln(),
-            seq_sigma: 0.0,
-            token_sigma: 0.0,
-            position_decay: 0.0,
-            confidence_noise: 0.0,
-            profiles: 1,
-        }
+    /// The store and SWA cache the unit reads and writes.
+    pub fn shared_cache(&self) -> Result<SharedCache, ConfigError> {
+        let k = self.constants()?;
+        SharedCache::new(
+            self.conformance.store.clone(),
+            self.conformance.swa.clone(),
+            k.block_bytes(),
+        )
     }
+}
+
+fn prefixed(e: ConfigError, section: &str) -> ConfigError {
+    ConfigError::invalid(section, e.to_string())
 }
 
 /// Serving constants of the scaled-down model: SPEC §2 defaults with the model's dimensions.
@@ -217,693 +280,7 @@ pub fn constants_for(
     Ok(k)
 }
 
-/// Everything the driver's policies are built from.
-#[derive(Clone, Debug)]
-pub struct Setup {
-    pub constants: ServingConstants,
-    pub hit_policy: HitPolicy,
-    pub store: StoreConfig,
-    pub swa: SwaConfig,
-    pub chunking: ChunkPolicy,
-    pub max_prefill_jobs: usize,
-    pub decode: DecodeGroupConfig,
-    /// The chunk scheduler's and the DSpark budget's cost models.
-    pub profile: HardwareProfile,
-}
-
-/// One executed plan and the backend's answer.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RecordedStep {
-    /// The `now` the policies planned it at.
-    pub start_ns: u64,
-    /// When the loop saw it complete (the completion's `now`). 0 in records from before the
-    /// wall clock, whose steps ended at start + duration ([`RecordedStep::end`]).
-    #[serde(default)]
-    pub end_ns: u64,
-    /// The backend's own measurement (CUDA events on the GPU): what step-time errors compare.
-    pub duration_ns: u64,
-    pub plan: StepPlan,
-    pub seqs: Vec<SeqOutcome>,
-    pub ranks: Vec<RankOutcome>,
-}
-
-impl RecordedStep {
-    /// The step's end: `end_ns`, or start + duration (at least 1 ns) where it was not recorded.
-    pub fn end(&self) -> u64 {
-        if self.end_ns > 0 {
-            self.end_ns
-        } else {
-            self.start_ns + self.duration_ns.max(1)
-        }
-    }
-    /// Host time inside the step not covered by the device's duration (end − start − duration;
-    /// 0 on the virtual clock).
-    pub fn host_overhead_ns(&self) -> i64 {
-        self.end() as i64 - self.start_ns as i64 - self.duration_ns as i64
-    }
-}
-
-/// One request as the run saw it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RequestOutcome {
-    pub request: u64,
-    pub arrival_ns: u64,
-    pub prompt_tokens: u32,
-    pub output_tokens: u32,
-    pub hit_tokens: u32,
-    pub encoder_tokens: u32,
-    /// None when the request was rejected (context larger than the decode rank's KV).
-    pub first_token_ns: Option<u64>,
-    pub last_token_ns: Option<u64>,
-}
-
-impl RequestOutcome {
-    pub fn ttft_ns(&self) -> Option<u64> {
-        self.first_token_ns.map(|f| f - self.arrival_ns)
-    }
-    /// Mean time per output token after the first.
-    pub fn tpot_ns(&self) -> Option<f64> {
-        match (self.first_token_ns, self.last_token_ns) {
-            (Some(f), Some(l)) if self.output_tokens > 1 => {
-                Some((l - f) as f64 / f64::from(self.output_tokens - 1))
-            }
-            _ => None,
-        }
-    }
-}
-
-/// What a run produced: every step and every request.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct RunOutcome {
-    pub steps: Vec<RecordedStep>,
-    pub requests: Vec<RequestOutcome>,
-    pub end_ns: u64,
-    /// The clock the run's times are on (records from before the wall clock: virtual).
-    #[serde(default)]
-    pub clock: ClockKind,
-    /// Arrivals the loop admitted while a step was in flight (before it saw the completion;
-    /// 0 on the virtual clock, whose steps are not in flight while the loop runs).
-    #[serde(default)]
-    pub admitted_in_flight: u64,
-    /// The CPU every thread of a wall-clock GPU run was pinned to (see [`crate::affinity`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pinned_cpu: Option<usize>,
-}
-
-#[derive(Clone, Copy, Debug, Default)]
-struct ReqState {
-    hit_tokens: u32,
-    encoder_tokens: u32,
-    first_token: Option<Nanos>,
-    last_token: Option<Nanos>,
-}
-
-/// The engine loop's state: the policy objects and the per-request bookkeeping.
-struct Driver<'a> {
-    s: &'a Setup,
-    reqs: &'a [Request],
-    store: KvStore,
-    swa: SwaCache,
-    prefill: PrefillEngine,
-    decode: DecodeGroup,
-    /// Jobs waiting for room in the prefill engine.
-    backlog: VecDeque<PrefillJob>,
-    state: Vec<ReqState>,
-    done_jobs: Vec<PrefillJob>,
-    emissions: Vec<SeqEmission>,
-}
-
-impl Driver<'_> {
-    fn swa_store(&mut self, now: Nanos, r: &Request, at: u32) {
-        let Some(key) = r.key_at(at) else { return };
-        match self.s.hit_policy.swa_source() {
-            SwaSource::HostCache => self.swa.store(now, MachineId(0), key),
-            SwaSource::BlockStore => {
-                self.store.put(
-                    now,
-                    BlockKey(hash2(key.0, SWA_OBJECT_TAG)),
-                    self.s.constants.swa_state_bytes(),
-                    r.class,
-                );
-            }
-            SwaSource::NotNeeded => {}
-        }
-    }
-
-    /// Entrypoint: prefix match, hit rule, a prefill job (SPEC §3 steps 1–2).
-    fn arrive(&mut self, now: Nanos, i: usize) {
-        let r = &self.reqs[i];
-        let c = &self.s.constants;
-        if u64::from(r.context_tokens()) > self.s.decode.kv_capacity_tokens_per_rank {
-            return; // rejected: never gets a first token
-        }
-        self.store.advance(now);
-        self.swa.advance(now);
-        let cached = self.store.lookup_prefix(now, r.prompt_blocks()) as u32 * c.block_tokens;
-        let policy = self.s.hit_policy;
-        let (store, swa) = (&mut self.store, &mut self.swa);
-        let decision = policy.decide(
-            c,
-            HitInputs {
-                prompt_tokens: r.prompt_tokens,
-                cached_block_tokens: cached,
-                perfect_hit_tokens: cached,
-            },
-            |p| {
-                let Some(key) = r.key_at(p) else { return false };
-                match policy.swa_source() {
-                    SwaSource::HostCache => swa.lookup(now, key).is_some(),
-                    SwaSource::BlockStore => {
-                        store.contains(now, BlockKey(hash2(key.0, SWA_OBJECT_TAG)))
-                    }
-                    SwaSource::NotNeeded => true,
-                }
-            },
-        );
-        self.state[i].hit_tokens = decision.hit_tokens;
-        self.state[i].encoder_tokens = decision.encoder_tokens;
-        let job = PrefillJob {
-            request: RequestId(i as u64),
-            prompt_tokens: r.prompt_tokens,
-            hit_tokens: decision.hit_tokens,
-            encoder_tokens: decision.encoder_tokens,
-            new_token_layers: c.encoder_layers,
-            decoder_tokens: decision.decoder_tokens,
-            decoder_layers: c.decoder_layers,
-            swap_in_bytes: u64::from(decision.reused_kv_tokens()) * u64::from(c.kv_bytes_per_token),
-            // The prefix is read from the host tier inside the step (the backend's swap-in).
-            ready: true,
-            done_tokens: 0,
-            first_step_at: None,
-        };
-        self.backlog.push_back(job);
-        self.fill_prefill();
-    }
-
-    fn fill_prefill(&mut self) {
-        while self.prefill.has_room() {
-            let Some(job) = self.backlog.pop_front() else {
-                return;
-            };
-            if let Err(job) = self.prefill.enqueue(job) {
-                self.backlog.push_front(job);
-                return;
-            }
-        }
-    }
-
-    /// Request `i` emitted its last token at `now`: output blocks and SWA state are stored.
-    fn complete(&mut self, now: Nanos, i: usize) {
-        let r = &self.reqs[i];
-        let bs = self.s.constants.block_tokens;
-        self.store.advance(now);
-        self.store
-            .touch_or_insert(now, r.content.full_blocks(r.context_tokens()), r.class);
-        self.swa_store(now, r, r.context_tokens() / bs * bs);
-    }
-
-    fn prefill_done(&mut self, now: Nanos, plan: &PrefillPlan) {
-        let mut done = std::mem::take(&mut self.done_jobs);
-        done.clear();
-        self.prefill.complete_step(plan, &mut done);
-        let bs = self.s.constants.block_tokens;
-        for job in &done {
-            let i = job.request.0 as usize;
-            let r = &self.reqs[i];
-            self.state[i].first_token = Some(now);
-            self.state[i].last_token = Some(now);
-            self.store.advance(now);
-            self.store
-                .touch_or_insert(now, r.content.full_blocks(r.prompt_tokens), r.class);
-            self.swa_store(now, r, r.prompt_tokens / bs * bs);
-            if r.output_tokens <= 1 {
-                self.complete(now, i);
-                continue;
-            }
-            if self
-                .decode
-                .admit(0, job.request, r.prompt_tokens + 1, r.output_tokens - 1)
-                .is_err()
-            {
-                // Decode queue full: the request ends with its first token.
-                self.state[i].last_token = None;
-            }
-        }
-        self.done_jobs = done;
-        self.fill_prefill();
-    }
-
-    fn decode_done(&mut self, now: Nanos, plan: &StepPlan, report: &StepReport) {
-        let StepPlan::Decode(p) = plan else { return };
-        let mut em = std::mem::take(&mut self.emissions);
-        self.decode.apply_report(p, report, &mut em);
-        for e in &em {
-            let i = e.request.0 as usize;
-            self.state[i].last_token = Some(now);
-            if e.finished {
-                self.complete(now, i);
-            }
-        }
-        self.emissions = em;
-    }
-}
-
-/// Runs `reqs` (sorted by arrival, ids = indices) through the policies of `s` on `backend`,
-/// on the virtual clock (time moves by the reported durations).
-pub fn drive(
-    s: &Setup,
-    reqs: &[Request],
-    backend: &mut dyn Backend,
-) -> Result<RunOutcome, ConfigError> {
-    drive_on(s, reqs, &mut VirtualClock::new(backend))
-}
-
-/// The engine loop on `clock` (which runs the device): plan at the clock's `now` after
-/// admitting every arrival at or before it; while the step runs (on the wall clock) admit
-/// arrivals as they come; when it ends, admit the rest at or before its end, record it and
-/// process its completion at the end time.
-pub fn drive_on<C: Clock + ?Sized>(
-    s: &Setup,
-    reqs: &[Request],
-    clock: &mut C,
-) -> Result<RunOutcome, ConfigError> {
-    for (i, r) in reqs.iter().enumerate() {
-        if r.id.0 != i as u64 || (i > 0 && r.arrival < reqs[i - 1].arrival) {
-            return Err(ConfigError::invalid(
-                "workload",
-                "requests must be sorted by arrival with ids 0..n",
-            ));
-        }
-    }
-    let mut d = Driver {
-        s,
-        reqs,
-        store: KvStore::new(s.store.clone(), s.constants.block_bytes())?,
-        swa: SwaCache::new(s.swa.clone())?,
-        prefill: PrefillEngine::new(
-            EngineId(0),
-            s.chunking.clone(),
-            s.profile.prefill.clone(),
-            1.0,
-            s.max_prefill_jobs,
-        ),
-        decode: DecodeGroup::new(EngineId(1), s.decode.clone(), s.profile.decode.clone())?,
-        backlog: VecDeque::new(),
-        state: vec![ReqState::default(); reqs.len()],
-        done_jobs: Vec::new(),
-        emissions: Vec::new(),
-    };
-    let mut steps = Vec::new();
-    let mut now;
-    let mut next = 0usize;
-    let mut admitted_in_flight = 0u64;
-    let mut last_was_decode = false;
-    let mut pplan = StepPlan::Prefill(PrefillPlan {
-        engine: EngineId(0),
-        chunks: Vec::new(),
-        expert_imbalance: 1.0,
-    });
-    let mut dplan = StepPlan::Decode(servelab_core::engine::DecodePlan {
-        engine: EngineId(1),
-        ranks: Vec::new(),
-        seqs: Vec::new(),
-        dynamic: false,
-        expert_imbalance: 1.0,
-    });
-    let mut report = StepReport::default();
-    loop {
-        now = clock.now();
-        while next < reqs.len() && reqs[next].arrival <= now {
-            d.arrive(reqs[next].arrival, next);
-            next += 1;
-        }
-        // One device: alternate roles when both have work, so neither starves the other.
-        let mut chosen = None;
-        for decode_turn in [!last_was_decode, last_was_decode] {
-            if decode_turn {
-                let StepPlan::Decode(p) = &mut dplan else {
-                    unreachable!()
-                };
-                if !d.decode.is_idle() && d.decode.plan_step(p) {
-                    chosen = Some(true);
-                    break;
-                }
-            } else {
-                let StepPlan::Prefill(p) = &mut pplan else {
-                    unreachable!()
-                };
-                if d.prefill.plan_step(now, p) {
-                    chosen = Some(false);
-                    break;
-                }
-            }
-        }
-        let Some(is_decode) = chosen else {
-            if next < reqs.len() {
-                clock.wait_until(reqs[next].arrival);
-                continue;
-            }
-            break;
-        };
-        last_was_decode = is_decode;
-        let plan = if is_decode { &dplan } else { &pplan };
-        // Admission while the step is in flight: each arrival with its own time, as below.
-        let mut admit = |t: Nanos| {
-            let mut count = 0;
-            while next < reqs.len() && reqs[next].arrival <= t {
-                d.arrive(reqs[next].arrival, next);
-                next += 1;
-                count += 1;
-            }
-            admitted_in_flight += count as u64;
-            Admitted {
-                count,
-                next: reqs.get(next).map(|r| r.arrival),
-            }
-        };
-        let Some(end) = clock.step(now, plan, &mut report, &mut admit) else {
-            break; // the device failed; the clock's owner has the error
-        };
-        while next < reqs.len() && reqs[next].arrival <= end {
-            d.arrive(reqs[next].arrival, next);
-            next += 1;
-        }
-        steps.push(RecordedStep {
-            start_ns: now.0,
-            end_ns: end.0,
-            duration_ns: report.duration.0,
-            plan: plan.clone(),
-            seqs: report.seqs.clone(),
-            ranks: report.ranks.clone(),
-        });
-        if is_decode {
-            d.decode_done(end, &dplan, &report);
-        } else {
-            let StepPlan::Prefill(p) = &pplan else {
-                unreachable!()
-            };
-            d.prefill_done(end, p);
-        }
-    }
-    let requests = reqs
-        .iter()
-        .zip(&d.state)
-        .map(|(r, st)| RequestOutcome {
-            request: r.id.0,
-            arrival_ns: r.arrival.0,
-            prompt_tokens: r.prompt_tokens,
-            output_tokens: r.output_tokens,
-            hit_tokens: st.hit_tokens,
-            encoder_tokens: st.encoder_tokens,
-            first_token_ns: st.first_token.map(|t| t.0),
-            last_token_ns: st.last_token.map(|t| t.0),
-        })
-        .collect();
-    Ok(RunOutcome {
-        steps,
-        requests,
-        end_ns: now.0,
-        clock: clock.kind(),
-        admitted_in_flight,
-        pinned_cpu: None,
-    })
-}
-
-/// A backend that answers with a recorded run's reports, in order, and notes every plan that
-/// differs from the recorded one (or comes at a different time).
-pub struct RecordedBackend<'a> {
-    steps: &'a [RecordedStep],
-    next: usize,
-    pub mismatches: Vec<String>,
-}
-
-impl<'a> RecordedBackend<'a> {
-    pub fn new(steps: &'a [RecordedStep]) -> Self {
-        Self {
-            steps,
-            next: 0,
-            mismatches: Vec::new(),
-        }
-    }
-    /// Plans asked for so far.
-    pub fn steps_seen(&self) -> usize {
-        self.next
-    }
-}
-
-impl Backend for RecordedBackend<'_> {
-    fn execute(&mut self, now: Nanos, plan: &StepPlan, report: &mut StepReport) {
-        let i = self.next;
-        self.next += 1;
-        report.seqs.clear();
-        report.ranks.clear();
-        let Some(s) = self.steps.get(i) else {
-            self.mismatches.push(format!(
-                "step {i}: not in the record (the replay ran longer)"
-            ));
-            report.duration = Nanos(1);
-            if let StepPlan::Decode(d) = plan {
-                report.seqs.resize(d.seqs.len(), SeqOutcome::default());
-                report
-                    .ranks
-                    .resize_with(d.ranks.len(), RankOutcome::default);
-            }
-            return;
-        };
-        if s.plan != *plan {
-            self.mismatches.push(format!(
-                "step {i}: plan differs: {}",
-                describe_diff(&s.plan, plan)
-            ));
-        } else if s.start_ns != now.0 {
-            self.mismatches.push(format!(
-                "step {i}: same plan at {} ns instead of {} ns",
-                now.0, s.start_ns
-            ));
-        }
-        report.duration = Nanos(s.duration_ns);
-        report.seqs.extend_from_slice(&s.seqs);
-        report.ranks.extend(s.ranks.iter().cloned());
-    }
-}
-
-fn describe_diff(want: &StepPlan, got: &StepPlan) -> String {
-    let brief = |p: &StepPlan| match p {
-        StepPlan::Prefill(p) => format!(
-            "prefill {:?}",
-            p.chunks
-                .iter()
-                .map(|c| (c.request.0, c.new_tokens, c.prefix_tokens))
-                .collect::<Vec<_>>()
-        ),
-        StepPlan::Decode(d) => format!(
-            "decode dynamic={} seqs {:?} budgets {:?}",
-            d.dynamic,
-            d.seqs
-                .iter()
-                .map(|s| (s.request.0, s.kv_tokens, s.max_drafts))
-                .collect::<Vec<_>>(),
-            d.ranks.iter().map(|r| r.verify_budget).collect::<Vec<_>>()
-        ),
-    };
-    format!("recorded {} / replayed {}", brief(want), brief(got))
-}
-
-/// Result of replaying a record through the driver.
-#[derive(Clone, Debug, Serialize)]
-pub struct ReplayCheck {
-    pub recorded_steps: usize,
-    pub replayed_steps: usize,
-    pub mismatched_steps: usize,
-    /// The first few mismatches, described.
-    pub first_mismatches: Vec<String>,
-    /// Request outcomes (first and last token times) identical to the recorded run.
-    pub outcomes_identical: bool,
-}
-
-/// Replays `recorded` through the same driver and policies, at the recorded times
-/// ([`RecordedClock`]).
-pub fn replay_check(
-    s: &Setup,
-    reqs: &[Request],
-    recorded: &RunOutcome,
-) -> Result<ReplayCheck, ConfigError> {
-    let mut clock = RecordedClock::new(&recorded.steps, recorded.clock);
-    let out = drive_on(s, reqs, &mut clock)?;
-    let b = clock.into_backend();
-    let mut mismatches = b.mismatches;
-    if b.next < recorded.steps.len() {
-        mismatches.push(format!(
-            "the replay stopped after {} of {} recorded steps",
-            b.next,
-            recorded.steps.len()
-        ));
-    }
-    Ok(ReplayCheck {
-        recorded_steps: recorded.steps.len(),
-        replayed_steps: out.steps.len(),
-        mismatched_steps: mismatches.len(),
-        first_mismatches: mismatches.iter().take(5).cloned().collect(),
-        outcomes_identical: out.requests == recorded.requests,
-    })
-}
-
-/// Nearest-rank percentile (`q` in [0, 1]) of unsorted values; 0 for none.
-pub fn percentile(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    let rank = (q * s.len() as f64).ceil().max(1.0) as usize;
-    s[rank.min(s.len()) - 1]
-}
-
-/// Relative step-time errors of one kind of step.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct ErrorStats {
-    pub steps: usize,
-    /// Median and P90 of |predicted / measured − 1|.
-    pub abs_median: f64,
-    pub abs_p90: f64,
-    /// Median of predicted / measured − 1 (the sign says over- or under-prediction).
-    pub signed_median: f64,
-    /// Σ predicted / Σ measured − 1.
-    pub total: f64,
-}
-
-fn error_stats(pairs: &[(f64, f64)]) -> ErrorStats {
-    let rel: Vec<f64> = pairs.iter().map(|(m, p)| p / m - 1.0).collect();
-    let abs: Vec<f64> = rel.iter().map(|e| e.abs()).collect();
-    let (sm, sp) = pairs
-        .iter()
-        .fold((0.0, 0.0), |(a, b), (m, p)| (a + m, b + p));
-    ErrorStats {
-        steps: pairs.len(),
-        abs_median: percentile(&abs, 0.5),
-        abs_p90: percentile(&abs, 0.9),
-        signed_median: percentile(&rel, 0.5),
-        total: if sm > 0.0 { sp / sm - 1.0 } else { 0.0 },
-    }
-}
-
-/// Step-time prediction errors over every recorded plan.
-#[derive(Clone, Debug, Serialize)]
-pub struct StepErrors {
-    pub all: ErrorStats,
-    pub prefill: ErrorStats,
-    pub decode: ErrorStats,
-    /// (measured ns, predicted ns) per step, in order.
-    pub pairs: Vec<(u64, u64)>,
-}
-
-/// The cost model's duration for a recorded step. Prefill: [`CostModel::prefill_ns`]. Decode:
-/// the profile's decode model at the verification the GPU actually did (the cost model's own
-/// acceptance draw is for free-running runs), slowest rank.
-pub fn predict_ns(cost: &CostModel, step: &RecordedStep) -> f64 {
-    match &step.plan {
-        StepPlan::Prefill(p) => cost.prefill_ns(p),
-        StepPlan::Decode(d) => d
-            .ranks
-            .iter()
-            .map(|r| {
-                let (a, b) = (r.seq_start as usize, r.seq_end as usize);
-                let seqs = &d.seqs[a.min(d.seqs.len())..b.min(d.seqs.len())];
-                let kv: u64 = seqs.iter().map(|s| u64::from(s.kv_tokens)).sum();
-                let max_kv = seqs
-                    .iter()
-                    .map(|s| u64::from(s.kv_tokens))
-                    .max()
-                    .unwrap_or(0);
-                let verified: u32 = step
-                    .seqs
-                    .get(a..b)
-                    .map_or(0, |o| o.iter().map(|o| u32::from(o.verified)).sum());
-                let n = seqs.len() as u32;
-                cost.profile().decode.predict_with_max_ns(
-                    n,
-                    kv,
-                    max_kv,
-                    n + verified,
-                    d.dynamic,
-                    d.expert_imbalance,
-                )
-            })
-            .fold(0.0, f64::max),
-    }
-}
-
-pub fn step_errors(cost: &CostModel, steps: &[RecordedStep]) -> StepErrors {
-    let (mut all, mut pre, mut dec, mut pairs) = (vec![], vec![], vec![], vec![]);
-    for s in steps {
-        let m = s.duration_ns.max(1) as f64;
-        let p = predict_ns(cost, s);
-        all.push((m, p));
-        match s.plan {
-            StepPlan::Prefill(_) => pre.push((m, p)),
-            StepPlan::Decode(_) => dec.push((m, p)),
-        }
-        pairs.push((s.duration_ns, p.round() as u64));
-    }
-    StepErrors {
-        all: error_stats(&all),
-        prefill: error_stats(&pre),
-        decode: error_stats(&dec),
-        pairs,
-    }
-}
-
-/// P50 and P99 of one latency in two runs.
-#[derive(Clone, Debug, Serialize)]
-pub struct LatencyRow {
-    pub metric: String,
-    pub gpu_ms: f64,
-    pub sim_ms: f64,
-    /// sim / gpu − 1.
-    pub error: f64,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct LatencyComparison {
-    pub requests: usize,
-    pub rows: Vec<LatencyRow>,
-}
-
-pub fn latency_comparison(gpu: &RunOutcome, sim: &RunOutcome) -> LatencyComparison {
-    let ttft = |o: &RunOutcome| -> Vec<f64> {
-        o.requests
-            .iter()
-            .filter_map(|r| r.ttft_ns().map(|t| t as f64 / 1e6))
-            .collect()
-    };
-    let tpot = |o: &RunOutcome| -> Vec<f64> {
-        o.requests
-            .iter()
-            .filter_map(|r| r.tpot_ns().map(|t| t / 1e6))
-            .collect()
-    };
-    let mut rows = Vec::new();
-    for (name, g, s) in [
-        ("TTFT", ttft(gpu), ttft(sim)),
-        ("TPOT", tpot(gpu), tpot(sim)),
-    ] {
-        for (q, label) in [(0.5, "P50"), (0.99, "P99")] {
-            let (a, b) = (percentile(&g, q), percentile(&s, q));
-            rows.push(LatencyRow {
-                metric: format!("{name} {label}"),
-                gpu_ms: a,
-                sim_ms: b,
-                error: if a > 0.0 { b / a - 1.0 } else { 0.0 },
-            });
-        }
-    }
-    LatencyComparison {
-        requests: gpu.requests.len(),
-        rows,
-    }
-}
-
-/// What a GPU run leaves behind: enough to redo parts 2–4 anywhere.
+/// What a GPU run leaves behind: enough to replay and analyse it anywhere.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Record {
     /// The config file's text.
@@ -916,22 +293,6 @@ pub struct Record {
     pub run: RunOutcome,
 }
 
-/// The workload free-running on the simulator's cost model with the policies' own profile: a
-/// stand-in for the GPU run (sizing a config, tests) that needs no GPU.
-pub fn dry_run(file: &ConformanceFile, profile_text: &str) -> Result<RunOutcome, ConfigError> {
-    let profile = HardwareProfile::from_toml_str(profile_text, &file.conformance.profile)?;
-    let setup = file.setup(profile.clone())?;
-    let reqs = workload(file)?;
-    let mut cost = CostModel::new(
-        profile,
-        &file.matched_acceptance(),
-        file.conformance.draft_tokens,
-        SwapIn::Overlapped,
-        servelab_core::seed::sub_seed(file.seed()?, "conformance.dry"),
-    );
-    drive(&setup, &reqs, &mut cost)
-}
-
 /// Why a GPU conformance run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ConformanceError {
@@ -939,46 +300,270 @@ pub enum ConformanceError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),
+    #[error("{0}")]
+    Run(#[from] servelab_core::unit::RunError),
+    #[error("device: {0}")]
+    Device(String),
 }
 
-/// Runs plans on a [`CudaBackend`], keeping the first error instead of panicking (the
-/// [`Backend`] trait has no error path): later plans are skipped and the run is failed.
-struct Checked<'a> {
-    b: &'a mut CudaBackend,
-    err: Option<crate::backend::BackendError>,
+/// The generated workload of a config (ids = arrival order).
+pub fn workload(file: &ConformanceFile) -> Result<Vec<Request>, ConfigError> {
+    workload_with_seed(file, file.seed()?)
 }
 
-impl Backend for Checked<'_> {
-    fn execute(&mut self, _now: Nanos, plan: &StepPlan, report: &mut StepReport) {
-        if self.err.is_none()
-            && let Err(e) = self.b.try_execute(plan, report)
-        {
-            self.err = Some(e);
+/// The config's workload under `seed` instead of its own.
+pub fn workload_with_seed(file: &ConformanceFile, seed: u64) -> Result<Vec<Request>, ConfigError> {
+    let trace = servelab_workloads::generate::generate(
+        &file.workload,
+        seed,
+        file.backend.model.block_size as u32,
+    )?;
+    if let Some((i, r)) = trace
+        .requests
+        .iter()
+        .enumerate()
+        .find(|(i, r)| r.id.0 != *i as u64)
+    {
+        return Err(ConfigError::invalid(
+            "workload",
+            format!(
+                "request {} at index {i}: ids must be 0..n in arrival order",
+                r.id
+            ),
+        ));
+    }
+    Ok(trace.requests)
+}
+
+/// Runs the config's unit over `reqs` in the environment `make_env` builds, through the one
+/// driver loop; the environment's record gets the report's request table.
+pub fn run_unit<'r, E: Environment>(
+    file: &ConformanceFile,
+    profile: &HardwareProfile,
+    reqs: &'r [Request],
+    make_env: impl FnOnce(&ServingUnit<'r>) -> E,
+    into_run: impl FnOnce(E) -> RunOutcome,
+) -> Result<(RunOutcome, ServiceReport), ConformanceError> {
+    let mut unit = ServingUnit::new(file.unit_config(profile)?, reqs)?;
+    let mut shared = file.shared_cache()?;
+    let mut env = make_env(&unit);
+    let end = servelab_core::unit::run(&mut unit, &mut shared, &mut env, &mut NoObserver)?;
+    let report = unit.finish(&shared, end.end, end.inputs)?;
+    let mut run = into_run(env);
+    run.requests = request_outcomes(reqs, &report.requests);
+    Ok((run, report))
+}
+
+/// The unit on the virtual clock, `device` running each plan.
+pub fn run_virtual(
+    file: &ConformanceFile,
+    profile: &HardwareProfile,
+    reqs: &[Request],
+    device: &mut StepFn<'_>,
+) -> Result<(RunOutcome, ServiceReport), ConformanceError> {
+    run_unit(
+        file,
+        profile,
+        reqs,
+        |u| GpuEnv::virtual_clock(device, u),
+        GpuEnv::finish,
+    )
+}
+
+/// Result of replaying a record through the unit.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayCheck {
+    pub recorded_steps: usize,
+    pub replayed_steps: usize,
+    pub mismatched_steps: usize,
+    /// The first few mismatches, described.
+    pub first_mismatches: Vec<String>,
+    /// Request outcomes (first and last token times) identical to the recorded run.
+    pub outcomes_identical: bool,
+    /// False for records of the engine loop before the serving unit (no input log).
+    pub replayable: bool,
+}
+
+/// Feeds `recorded`'s inputs back to the config's unit ([`ReplayEnv`]) and compares every
+/// launched plan with the record's, and the request outcomes.
+pub fn replay_check(
+    file: &ConformanceFile,
+    profile: &HardwareProfile,
+    reqs: &[Request],
+    recorded: &RunOutcome,
+) -> Result<ReplayCheck, ConformanceError> {
+    if recorded.inputs.is_empty() {
+        return Ok(ReplayCheck {
+            recorded_steps: recorded.steps.len(),
+            replayed_steps: 0,
+            mismatched_steps: 0,
+            first_mismatches: vec![
+                "no input log: recorded by the one-device engine loop before the serving unit"
+                    .into(),
+            ],
+            outcomes_identical: false,
+            replayable: false,
+        });
+    }
+    let mut out = (0, Vec::new());
+    let replay = run_unit(
+        file,
+        profile,
+        reqs,
+        |_| ReplayEnv::new(recorded),
+        |env| {
+            out = (env.launches(), env.mismatches);
+            RunOutcome {
+                steps: Vec::new(),
+                requests: Vec::new(),
+                end_ns: 0,
+                clock: recorded.clock,
+                admitted_in_flight: 0,
+                pinned_cpu: None,
+                inputs: Vec::new(),
+            }
+        },
+    );
+    let (launches, mut mismatches) = out;
+    let outcomes_identical = match replay {
+        Ok((run, _)) => run.requests == recorded.requests,
+        Err(e) => {
+            mismatches.push(format!("the replay failed: {e}"));
+            false
         }
-        if self.err.is_some() {
-            report.duration = Nanos(1);
-            report.seqs.clear();
-            report.ranks.clear();
+    };
+    if launches < recorded.steps.len() {
+        mismatches.push(format!(
+            "the replay stopped after {launches} of {} recorded steps",
+            recorded.steps.len()
+        ));
+    }
+    Ok(ReplayCheck {
+        recorded_steps: recorded.steps.len(),
+        replayed_steps: launches,
+        mismatched_steps: mismatches.len(),
+        first_mismatches: mismatches.iter().take(5).cloned().collect(),
+        outcomes_identical,
+        replayable: true,
+    })
+}
+
+/// Replays a record with the policies' own profile (the text it carries).
+pub fn replay_record(record: &Record) -> Result<ReplayCheck, ConformanceError> {
+    let file = ConformanceFile::parse(&record.config, "record.config")?;
+    let profile = parse_profile(&record.policy_profile, "record.profile")?;
+    let reqs = workload(&file)?;
+    replay_check(&file, &profile, &reqs, &record.run)
+}
+
+/// A CPU stand-in for the GPU: step times from the profile's cost models (prefill compute,
+/// decode at the verified drafts), drafts verified and accepted as the CUDA backend does them
+/// (budget dealt round-robin, each accepted with `draft_acceptance` while the prefix holds).
+/// For dry runs (sizing a config) and tests without a GPU.
+pub struct ModelDevice {
+    profile: HardwareProfile,
+    acceptance: f64,
+    rng: rand_chacha::ChaCha8Rng,
+}
+
+impl ModelDevice {
+    pub fn new(profile: HardwareProfile, acceptance: f64, seed: u64) -> Self {
+        use rand::SeedableRng;
+        ModelDevice {
+            profile,
+            acceptance,
+            rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
         }
+    }
+
+    pub fn run(&mut self, plan: &StepPlan, report: &mut StepReport) -> Result<(), String> {
+        use rand::Rng;
+        report.seqs.clear();
+        report.ranks.clear();
+        let d = match plan {
+            StepPlan::Prefill(p) => {
+                let ns = self.profile.prefill.step_ns(&p.chunks, p.expert_imbalance);
+                report.duration = Nanos(ns.round().max(1.0) as u64);
+                return Ok(());
+            }
+            StepPlan::Decode(d) => d,
+        };
+        let verified = crate::backend::deal_verified(d).map_err(|e| e.to_string())?;
+        for &v in &verified {
+            let v = v.min(u32::from(u8::MAX)) as u8;
+            let mut accepted = 0u8;
+            while accepted < v && self.rng.random::<f64>() < self.acceptance {
+                accepted += 1;
+            }
+            report.seqs.push(servelab_core::engine::SeqOutcome {
+                verified: v,
+                accepted,
+            });
+        }
+        report
+            .ranks
+            .extend(crate::backend::confidences(d, self.acceptance));
+        let ns = decode_ns(&self.profile.decode, d, &verified);
+        report.duration = Nanos(ns.round().max(1.0) as u64);
+        Ok(())
     }
 }
 
-/// The parsed config, its policies planning with `profile_text`, and its workload.
-fn prepare(
-    config_text: &str,
-    origin: &str,
-    profile_text: &str,
-) -> Result<(ConformanceFile, Setup, Vec<Request>), ConfigError> {
-    let file = ConformanceFile::parse(config_text, origin)?;
-    let profile = HardwareProfile::from_toml_str(profile_text, &file.conformance.profile)?;
-    let setup = file.setup(profile)?;
-    let reqs = workload(&file)?;
-    Ok((file, setup, reqs))
+/// The decode model's time of a step at the drafts each sequence verified, slowest rank.
+pub fn decode_ns(
+    model: &DecodeTimeModel,
+    d: &servelab_core::engine::DecodePlan,
+    verified: &[u32],
+) -> f64 {
+    d.ranks
+        .iter()
+        .map(|r| {
+            let (a, b) = (r.seq_start as usize, r.seq_end as usize);
+            let seqs = &d.seqs[a.min(d.seqs.len())..b.min(d.seqs.len())];
+            let kv: u64 = seqs.iter().map(|s| u64::from(s.kv_tokens)).sum();
+            let max_kv = seqs
+                .iter()
+                .map(|s| u64::from(s.kv_tokens))
+                .max()
+                .unwrap_or(0);
+            let v: u32 = verified.get(a..b).map_or(0, |v| v.iter().sum());
+            let n = seqs.len() as u32;
+            model.predict_with_max_ns(n, kv, max_kv, n + v, d.dynamic, d.expert_imbalance)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The decode model's prediction of a recorded decode step, at the verification the GPU
+/// actually did (None for prefill steps).
+pub fn predict_decode_ns(model: &DecodeTimeModel, step: &crate::env::RecordedStep) -> Option<f64> {
+    let StepPlan::Decode(d) = &step.plan else {
+        return None;
+    };
+    let verified: Vec<u32> = step.seqs.iter().map(|o| u32::from(o.verified)).collect();
+    Some(decode_ns(model, d, &verified))
+}
+
+/// The workload on the [`ModelDevice`] with the policies' own profile, on the virtual clock.
+pub fn dry_run(file: &ConformanceFile, profile_text: &str) -> Result<Record, ConformanceError> {
+    let profile = parse_profile(profile_text, &file.conformance.profile)?;
+    let reqs = workload(file)?;
+    let seed = servelab_core::seed::sub_seed(file.seed()?, "conformance.dry");
+    let mut dev = ModelDevice::new(profile.clone(), file.backend.draft_acceptance, seed);
+    let mut run = |p: &StepPlan, r: &mut StepReport| dev.run(p, r);
+    let (run, _) = run_virtual(file, &profile, &reqs, &mut run)?;
+    Ok(Record {
+        config: String::new(),
+        policy_profile: profile_text.to_string(),
+        gpu: "none (dry run: the profile's cost models)".into(),
+        date: String::new(),
+        commit: String::new(),
+        run,
+    })
 }
 
 /// Part 1 on the virtual clock: the workload of `config_text` on the GPU, the policies using
 /// `profile_text`, the backend on this thread (time moves by the CUDA-event durations).
-/// `b` must have been built from the config's `[backend]` section ([`ConformanceFile::backend`]).
+/// `b` must have been built from the config's `[backend]` section.
 pub fn run_on_gpu(
     b: &mut CudaBackend,
     config_text: &str,
@@ -987,17 +572,16 @@ pub fn run_on_gpu(
     date: &str,
     commit: &str,
 ) -> Result<Record, ConformanceError> {
-    let (file, setup, reqs) = prepare(config_text, origin, profile_text)?;
-    warm_up(b, &file, &setup)?;
-    let mut checked = Checked { b, err: None };
-    let run = drive(&setup, &reqs, &mut checked)?;
-    if let Some(e) = checked.err {
-        return Err(e.into());
-    }
+    let file = ConformanceFile::parse(config_text, origin)?;
+    let profile = parse_profile(profile_text, &file.conformance.profile)?;
+    let reqs = workload(&file)?;
+    warm_up(b, &file, &profile)?;
+    let mut run = |p: &StepPlan, r: &mut StepReport| b.try_execute(p, r).map_err(|e| e.to_string());
+    let (run, _) = run_virtual(&file, &profile, &reqs, &mut run)?;
     Ok(Record {
         config: config_text.to_string(),
         policy_profile: profile_text.to_string(),
-        gpu: checked.b.gpu().name(),
+        gpu: b.gpu().name(),
         date: date.to_string(),
         commit: commit.to_string(),
         run,
@@ -1005,9 +589,9 @@ pub fn run_on_gpu(
 }
 
 /// Part 1 on the wall clock: as [`run_on_gpu`], but the backend is built (from the config's
-/// `[backend]`) and warmed up on the wall clock's device thread, and the run's times are wall
-/// times from the loop's first plan: arrivals are released when their time comes, admitted
-/// while steps are in flight, and a step ends when the loop sees it complete. Each step's
+/// `[backend]`) and warmed up on the device thread, and the run's times are wall times from
+/// when the device was ready: arrivals are released when their time comes and handled while
+/// steps are in flight, and a step ends when the loop sees it complete. Each step's
 /// `duration_ns` is still the CUDA-event time.
 pub fn run_on_gpu_wall(
     gpu: std::sync::Arc<servelab_kernels::GpuContext>,
@@ -1017,26 +601,37 @@ pub fn run_on_gpu_wall(
     date: &str,
     commit: &str,
 ) -> Result<Record, ConformanceError> {
-    let (file, setup, reqs) = prepare(config_text, origin, profile_text)?;
+    let file = ConformanceFile::parse(config_text, origin)?;
+    let profile = parse_profile(profile_text, &file.conformance.profile)?;
+    let reqs = workload(&file)?;
     let name = gpu.name();
-    let device_file = file.clone();
-    let device_setup = setup.clone();
+    let (device_file, device_profile) = (file.clone(), profile.clone());
     // Before the device thread exists, so it (and the disk tier's thread) inherit the mask.
     let pin = crate::affinity::pin_to_current_cpu();
-    let mut clock = WallClock::spawn(move |_| {
+    let device = WallDevice::spawn(move |_| {
         // The context is current on this thread for every call that follows (cudarc binds it
         // for its own calls; the backend also makes raw driver calls).
-        gpu.ctx
-            .bind_to_thread()
-            .map_err(crate::backend::BackendError::from)?;
-        let mut b = CudaBackend::new(gpu, device_file.backend.clone())?;
-        warm_up(&mut b, &device_file, &device_setup)?;
+        let made = (|| -> Result<CudaBackend, ConformanceError> {
+            gpu.ctx
+                .bind_to_thread()
+                .map_err(crate::backend::BackendError::from)?;
+            let mut b = CudaBackend::new(gpu, device_file.backend.clone())?;
+            warm_up(&mut b, &device_file, &device_profile)?;
+            Ok(b)
+        })();
+        let mut b = made.map_err(|e| e.to_string())?;
         Ok(move |plan: &StepPlan, report: &mut StepReport| {
-            b.try_execute(plan, report).map_err(ConformanceError::from)
+            b.try_execute(plan, report).map_err(|e| e.to_string())
         })
-    })?;
-    let mut run = drive_on(&setup, &reqs, &mut clock)?;
-    clock.finish()?;
+    })
+    .map_err(ConformanceError::Device)?;
+    let (mut run, _) = run_unit(
+        &file,
+        &profile,
+        &reqs,
+        |u| GpuEnv::wall_clock(device, u),
+        GpuEnv::finish,
+    )?;
     run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
     drop(pin);
     Ok(Record {
@@ -1053,13 +648,13 @@ pub fn run_on_gpu_wall(
 /// ladder of prefill chunk sizes (128 to 8,192 new tokens, cold and over a cached prefix) and
 /// of decode batch sizes (1 to `max_seqs`, six query tokens each), `warmup_steps` times. One
 /// size is not enough: kernels load lazily and cuBLAS picks per GEMM shape on first use, and
-/// activation buffers grow to the largest step seen, so in run 11 the first cold 3–4K-token
-/// prefill steps of the run took 63–123 ms against 30–32 ms later (and in the calibration,
-/// whose grid had run every size first), which set the run's TTFT tail.
+/// activation buffers grow to the largest step seen (hw/measurements, run 11: the first cold
+/// 3–4K-token prefill steps took 2–4x their later time and set the TTFT tail). Then, with
+/// `warmup_run_seed`, a whole throwaway run of the unit under that seed.
 fn warm_up(
     b: &mut CudaBackend,
     file: &ConformanceFile,
-    setup: &Setup,
+    profile: &HardwareProfile,
 ) -> Result<(), ConformanceError> {
     let mut report = StepReport::default();
     let plans = warm_up_plans(&b.config().model, file);
@@ -1071,15 +666,11 @@ fn warm_up(
     }
     b.reset();
     if let Some(seed) = file.conformance.warmup_run_seed {
-        // The same policies and workload shape under another seed, on the virtual clock;
-        // only the backend's state is kept (and then reset).
         let reqs = workload_with_seed(file, seed)?;
-        let mut checked = Checked { b, err: None };
-        drive(setup, &reqs, &mut checked)?;
-        if let Some(e) = checked.err {
-            return Err(e.into());
-        }
-        checked.b.reset();
+        let mut run =
+            |p: &StepPlan, r: &mut StepReport| b.try_execute(p, r).map_err(|e| e.to_string());
+        run_virtual(file, profile, &reqs, &mut run)?;
+        b.reset();
     }
     Ok(())
 }
@@ -1087,7 +678,7 @@ fn warm_up(
 /// The warm-up ladder: one prefill per chunk size, cold and over a prefix, and one decode step per
 /// power-of-two batch up to `max_seqs`, each under its own fresh request ids.
 fn warm_up_plans(m: &ModelShape, file: &ConformanceFile) -> Vec<StepPlan> {
-    use servelab_core::engine::{DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk};
+    use servelab_core::engine::{DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk, PrefillPlan};
     let mut plans = Vec::new();
     let mut next = u64::MAX / 2;
     let mut fresh = || {
@@ -1138,44 +729,27 @@ fn warm_up_plans(m: &ModelShape, file: &ConformanceFile) -> Vec<StepPlan> {
     plans
 }
 
-/// Parts 2–4 over a record.
-#[derive(Clone, Debug, Serialize)]
-pub struct Analysis {
-    pub gpu: String,
-    pub date: String,
-    pub commit: String,
-    pub profile: String,
-    pub requests: usize,
-    pub steps: usize,
-    pub prefill_steps: usize,
-    pub decode_steps: usize,
-    /// The GPU run's clock: on the wall clock its times (run length, TTFT, TPOT) are wall times.
-    pub clock: ClockKind,
-    /// The CPU a wall-clock GPU run's threads were pinned to.
-    pub pinned_cpu: Option<usize>,
-    /// The GPU run's length on its clock.
-    pub gpu_run_ms: f64,
-    /// Σ of the steps' device durations (CUDA events).
-    pub device_ms: f64,
-    pub sim_run_ms: f64,
-    pub hit_tokens: u64,
-    pub prompt_tokens: u64,
-    pub host: HostOverhead,
-    pub replay: ReplayCheck,
-    pub step_errors: StepErrors,
-    pub latency: LatencyComparison,
+/// Nearest-rank percentile (`q` in [0, 1]) of unsorted values; 0 for none.
+pub fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = (q * s.len() as f64).ceil().max(1.0) as usize;
+    s[rank.min(s.len()) - 1]
 }
 
-/// Host time the run's clock saw beyond the device: per step, end − start − duration (the
-/// admission and planning before the launch, the host work of the step outside its CUDA-event
-/// span, and the time until the loop saw the completion). 0 on the virtual clock.
+/// Host time the run's clock saw beyond the device: per step, end − start − duration − the
+/// wait behind other devices' steps (admission and planning before the launch, host work
+/// outside the CUDA-event span, completion latency). 0 on the virtual clock.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct HostOverhead {
     pub steps: usize,
     pub sum_ms: f64,
     pub median_ms: f64,
     pub p90_ms: f64,
-    /// Arrivals admitted while a step was in flight.
+    /// Arrivals handled while a step was in flight.
     pub admitted_in_flight: u64,
     pub requests: usize,
 }
@@ -1196,39 +770,9 @@ pub fn host_overhead(run: &RunOutcome) -> HostOverhead {
     }
 }
 
-/// The generated workload of a config (ids = arrival order).
-pub fn workload(file: &ConformanceFile) -> Result<Vec<Request>, ConfigError> {
-    workload_with_seed(file, file.seed()?)
-}
-
-/// The config's workload under `seed` instead of its own.
-fn workload_with_seed(file: &ConformanceFile, seed: u64) -> Result<Vec<Request>, ConfigError> {
-    let trace = servelab_workloads::generate::generate(
-        &file.workload,
-        seed,
-        file.backend.model.block_size as u32,
-    )?;
-    Ok(trace.requests)
-}
-
-/// The cost model that predicts a config's recorded steps with `profile` (overlapped swap-in,
-/// the config's matched acceptance and draft length).
-pub fn prediction_cost(
-    file: &ConformanceFile,
-    profile: HardwareProfile,
-) -> Result<CostModel, ConfigError> {
-    Ok(CostModel::new(
-        profile,
-        &file.matched_acceptance(),
-        file.conformance.draft_tokens,
-        SwapIn::Overlapped,
-        servelab_core::seed::sub_seed(file.seed()?, "conformance.sim"),
-    ))
-}
-
 /// The index that splits `steps` so the part before it holds the first `fraction` (0–1) of
 /// the decode steps, in run order: a time-ordered fit / held-out split.
-pub fn decode_split(steps: &[RecordedStep], fraction: f64) -> usize {
+pub fn decode_split(steps: &[crate::env::RecordedStep], fraction: f64) -> usize {
     let total = steps
         .iter()
         .filter(|s| matches!(s.plan, StepPlan::Decode(_)))
@@ -1250,13 +794,12 @@ pub fn decode_split(steps: &[RecordedStep], fraction: f64) -> usize {
 }
 
 /// Median of measured − predicted over the decode steps of `steps` (0 if none): the time the
-/// engine loop's decode steps take beyond what isolated calibration steps of the same shape
-/// take (host planning with live sequences, under the same CUDA-event span).
-pub fn decode_offset_ns(cost: &CostModel, steps: &[RecordedStep]) -> f64 {
+/// engine's decode steps take beyond what isolated calibration steps of the same shape take
+/// (host planning with live sequences, under the same CUDA-event span).
+pub fn decode_offset_ns(model: &DecodeTimeModel, steps: &[crate::env::RecordedStep]) -> f64 {
     let mut d: Vec<f64> = steps
         .iter()
-        .filter(|s| matches!(s.plan, StepPlan::Decode(_)))
-        .map(|s| s.duration_ns as f64 - predict_ns(cost, s))
+        .filter_map(|s| predict_decode_ns(model, s).map(|p| s.duration_ns as f64 - p))
         .collect();
     if d.is_empty() {
         return 0.0;
@@ -1270,192 +813,16 @@ pub fn decode_offset_ns(cost: &CostModel, steps: &[RecordedStep]) -> f64 {
     }
 }
 
-/// Replays, predicts and free-runs a record. `profile` is what the simulator predicts with
-/// (normally the policies' profile, i.e. the one measured on the same GPU).
-pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, ConfigError> {
-    let file = ConformanceFile::parse(&record.config, "record.config")?;
-    let policy_profile = HardwareProfile::from_toml_str(&record.policy_profile, "record.profile")?;
-    let setup = file.setup(policy_profile)?;
-    let reqs = workload(&file)?;
-    let replay = replay_check(&setup, &reqs, &record.run)?;
-    let step_errors = step_errors(&prediction_cost(&file, profile.clone())?, &record.run.steps);
-    let sim_setup = file.setup(profile.clone())?;
-    let mut sim_backend = prediction_cost(&file, profile.clone())?;
-    let sim = drive(&sim_setup, &reqs, &mut sim_backend)?;
-    let latency = latency_comparison(&record.run, &sim);
-    let count = |decode: bool| {
-        record
-            .run
-            .steps
-            .iter()
-            .filter(|s| matches!(s.plan, StepPlan::Decode(_)) == decode)
-            .count()
-    };
-    Ok(Analysis {
-        gpu: record.gpu.clone(),
-        date: record.date.clone(),
-        commit: record.commit.clone(),
-        profile: profile.name.clone(),
-        requests: reqs.len(),
-        steps: record.run.steps.len(),
-        prefill_steps: count(false),
-        decode_steps: count(true),
-        clock: record.run.clock,
-        pinned_cpu: record.run.pinned_cpu,
-        gpu_run_ms: record.run.end_ns as f64 / 1e6,
-        device_ms: record
-            .run
-            .steps
-            .iter()
-            .map(|s| s.duration_ns as f64)
-            .sum::<f64>()
-            / 1e6,
-        sim_run_ms: sim.end_ns as f64 / 1e6,
-        hit_tokens: record
-            .run
-            .requests
-            .iter()
-            .map(|r| u64::from(r.hit_tokens))
-            .sum(),
-        prompt_tokens: reqs.iter().map(|r| u64::from(r.prompt_tokens)).sum(),
-        host: host_overhead(&record.run),
-        replay,
-        step_errors,
-        latency,
-    })
-}
-
-/// Targets of issue 6 item 5.
-pub const STEP_ERROR_MEDIAN_TARGET: f64 = 0.05;
-pub const TTFT_TARGET: f64 = 0.10;
-
-/// The markdown report.
-pub fn markdown(a: &Analysis) -> String {
-    let pct = |x: f64| format!("{:+.1}%", 100.0 * x);
-    let upct = |x: f64| format!("{:.1}%", 100.0 * x);
-    let met = |ok: bool| if ok { "met" } else { "**not met**" };
-    let mut s = format!(
-        "# Conformance: GPU engine vs simulator (SPEC §16)\n\n\
-         GPU: {}; date {}; commit {}; profile `{}`.\n\n\
-         {} requests, {} prompt tokens ({} hit, {:.1}%); {} steps ({} prefill, {} decode); \
-         GPU run {:.1} ms {} ({:.1} ms of device time in steps), free-running \
-         simulation {:.1} ms.\n\n",
-        a.gpu,
-        a.date,
-        a.commit,
-        a.profile,
-        a.requests,
-        a.prompt_tokens,
-        a.hit_tokens,
-        100.0 * a.hit_tokens as f64 / a.prompt_tokens.max(1) as f64,
-        a.steps,
-        a.prefill_steps,
-        a.decode_steps,
-        a.gpu_run_ms,
-        match a.clock {
-            ClockKind::Wall => "of wall time",
-            ClockKind::Virtual => "on the virtual clock",
-        },
-        a.device_ms,
-        a.sim_run_ms,
-    );
-    let h = &a.host;
-    match a.clock {
-        ClockKind::Wall => s.push_str(&format!(
-            "Clock: **wall**. Arrivals were released at their wall time; the device ran on a \
-             worker thread while the engine loop admitted arrivals (prefix match, hit rule, \
-             prefill backlog): {} of {} requests were admitted while a step was in flight. A \
-             step ends when the loop saw it complete; host time per step beyond the device \
-             duration (end − start − duration: admission and planning before the launch, host \
-             work outside the CUDA-event span, completion latency): sum {:.1} ms, median {:.3} \
-             ms, P90 {:.3} ms over {} steps. TTFT and TPOT below are wall times; the simulator \
-             has no host time. {}\n\n",
-            h.admitted_in_flight,
-            h.requests,
-            h.sum_ms,
-            h.median_ms,
-            h.p90_ms,
-            h.steps,
-            match a.pinned_cpu {
-                Some(c) => format!(
-                    "Every thread of the run was pinned to CPU {c} (host-bound steps on a \
-                     migrating thread ran 10–50 % slower; see `hw/src/affinity.rs`)."
-                ),
-                None => "The run's threads were not pinned to a CPU.".to_string(),
-            }
-        )),
-        ClockKind::Virtual => s.push_str(
-            "Clock: **virtual**. Time moved by the CUDA-event step durations and jumped to the \
-             next arrival when the device was idle; host time between steps is not counted.\n\n",
-        ),
-    }
-    let r = &a.replay;
-    s.push_str(&format!(
-        "## 1. Decisions (recorded GPU run replayed through the same policies at the recorded times)\n\n\
-         {} recorded plans, {} replayed, **{} mismatched**; request outcomes identical: {}.\n\n",
-        r.recorded_steps, r.replayed_steps, r.mismatched_steps, r.outcomes_identical
-    ));
-    for m in &r.first_mismatches {
-        s.push_str(&format!("- {m}\n"));
-    }
-    let e = &a.step_errors;
-    s.push_str(
-        "## 2. Step time, plan by plan (cost model with the measured profile)\n\n\
-         | steps | n | median abs error | P90 abs error | median signed | total |\n|---|---|---|---|---|---|\n",
-    );
-    for (name, st) in [
-        ("all", &e.all),
-        ("prefill", &e.prefill),
-        ("decode", &e.decode),
-    ] {
-        s.push_str(&format!(
-            "| {name} | {} | {} | {} | {} | {} |\n",
-            st.steps,
-            upct(st.abs_median),
-            upct(st.abs_p90),
-            pct(st.signed_median),
-            pct(st.total)
-        ));
-    }
-    s.push_str(&format!(
-        "\nTarget median ≤ {}: {}.\n\n",
-        upct(STEP_ERROR_MEDIAN_TARGET),
-        met(e.all.abs_median <= STEP_ERROR_MEDIAN_TARGET)
-    ));
-    s.push_str(
-        "## 3. Latency distributions (free-running simulation vs GPU run)\n\n\
-         | metric | GPU ms | simulator ms | error |\n|---|---|---|---|\n",
-    );
-    for row in &a.latency.rows {
-        s.push_str(&format!(
-            "| {} | {:.2} | {:.2} | {} |\n",
-            row.metric,
-            row.gpu_ms,
-            row.sim_ms,
-            pct(row.error)
-        ));
-    }
-    let ttft_ok = a
-        .latency
-        .rows
-        .iter()
-        .filter(|r| r.metric.starts_with("TTFT"))
-        .all(|r| r.error.abs() <= TTFT_TARGET);
-    s.push_str(&format!(
-        "\nTarget TTFT P50 and P99 within {}: {}.\n",
-        upct(TTFT_TARGET),
-        met(ttft_ok)
-    ));
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::ClockKind;
+    use crate::env::RecordedStep;
     use servelab_core::content::{ChainBuilder, SegmentId};
-    use servelab_core::engine::{DecodeTimeModel, PrefillCostModel};
+    use servelab_core::engine::PrefillCostModel;
+    use servelab_core::profile::TransferProfile;
+    use servelab_core::unit::DeviceId;
     use servelab_core::{SessionId, TrafficClass};
-    use servelab_sim::profile::TransferProfile;
     use std::sync::Arc;
 
     fn profile() -> HardwareProfile {
@@ -1505,6 +872,9 @@ kv_capacity_tokens = 1000000
 max_waiting = 64
 verification = { kind = "dynamic", min_seqs_per_rank = 0 }
 
+[conformance.swa]
+machines = 2
+
 [workload.agent]
 sessions = 3
 session_rate_per_s = 5.0
@@ -1521,6 +891,30 @@ think_time_s = { kind = "fixed", value = 0.2 }
         ConformanceFile::parse(CONFIG, "test.toml").unwrap()
     }
 
+    /// The whole unit: two prefill engines behind the tiered balancer, two decode groups.
+    fn wide_file() -> ConformanceFile {
+        let text = CONFIG.replace(
+            "\n[workload.agent]",
+            "\n[conformance.prefill]\ngpus = 2\nlb = { kind = \"tiered\", tier_bounds_tokens = [1000], \
+             round = \"100ms\", quota = \"1ms\", steal_when_idle = true }\n\n\
+             [conformance.decode]\ngroups = 2\nscheduling = \"async\"\n\n[workload.agent]",
+        )
+        // Sessions start together, so the engines and groups have work at once.
+        .replace("session_rate_per_s = 5.0", "session_rate_per_s = 5000.0");
+        ConformanceFile::parse(&text, "wide.toml").unwrap()
+    }
+
+    fn dry(f: &ConformanceFile) -> (RunOutcome, ServiceReport) {
+        let reqs = workload(f).unwrap();
+        let mut dev = ModelDevice::new(profile(), 0.75, 3);
+        let mut run = |p: &StepPlan, r: &mut StepReport| dev.run(p, r);
+        run_virtual(f, &profile(), &reqs, &mut run).unwrap()
+    }
+
+    fn replay(f: &ConformanceFile, run: &RunOutcome) -> ReplayCheck {
+        replay_check(f, &profile(), &workload(f).unwrap(), run).unwrap()
+    }
+
     #[test]
     fn warm_up_plans_are_valid_for_the_backend() {
         // Run 12's first try stopped here on the device: a 128-token cold chunk with a
@@ -1535,10 +929,6 @@ think_time_s = { kind = "fixed", value = 0.2 }
         }
     }
 
-    fn cost(f: &ConformanceFile) -> CostModel {
-        CostModel::new(profile(), &f.matched_acceptance(), 5, SwapIn::Overlapped, 3)
-    }
-
     #[test]
     fn config_errors_name_the_field() {
         let e = ConformanceFile::parse(&CONFIG.replace("max_seqs", "max_seq"), "c.toml")
@@ -1551,7 +941,7 @@ think_time_s = { kind = "fixed", value = 0.2 }
         );
         let e = ConformanceFile::parse(&bad, "c.toml")
             .unwrap()
-            .setup(profile())
+            .unit_config(&profile())
             .unwrap_err();
         assert!(e.to_string().contains("hit_policy"), "{e}");
         let bad = CONFIG.replace("seed = 9", "seed = -1");
@@ -1560,17 +950,22 @@ think_time_s = { kind = "fixed", value = 0.2 }
             .seed()
             .unwrap_err();
         assert!(e.to_string().contains("experiment.seed"), "{e}");
+        let bad = CONFIG.replace("machines = 2", "machines = 1");
+        let e = ConformanceFile::parse(&bad, "c.toml")
+            .unwrap()
+            .unit_config(&profile())
+            .unwrap_err();
+        assert!(e.to_string().contains("swa.machines"), "{e}");
     }
 
-    /// The driver with the cost model runs every request to completion, later turns hit the
-    /// store, and a replay of its own record reproduces every plan.
+    /// The unit on the model device runs every request to completion, later turns hit the
+    /// store, and a replay of its own record reproduces every plan and outcome.
     #[test]
     fn replay_of_a_record_reproduces_every_plan() {
         let f = file();
-        let setup = f.setup(profile()).unwrap();
-        let reqs = workload(&f).unwrap();
-        assert_eq!(reqs.len(), 9);
-        let run = drive(&setup, &reqs, &mut cost(&f)).unwrap();
+        let (run, report) = dry(&f);
+        assert_eq!(run.requests.len(), 9);
+        assert_eq!(report.completed, 9);
         assert!(run.requests.iter().all(|r| r.last_token_ns.is_some()));
         assert!(run.requests.iter().filter(|r| r.hit_tokens > 0).count() >= 3);
         assert!(
@@ -1578,53 +973,77 @@ think_time_s = { kind = "fixed", value = 0.2 }
                 .iter()
                 .any(|s| matches!(&s.plan, StepPlan::Decode(d) if d.dynamic))
         );
-        let check = replay_check(&setup, &reqs, &run).unwrap();
+        let check = replay(&f, &run);
+        assert!(check.replayable);
         assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
         assert!(check.outcomes_identical);
         assert_eq!(check.replayed_steps, run.steps.len());
+        // Through JSON, as committed records are read.
+        let back: RunOutcome = serde_json::from_str(&serde_json::to_string(&run).unwrap()).unwrap();
+        assert_eq!(back, run);
     }
 
-    /// A record whose durations were changed drives different plans; the check reports it.
+    /// A record whose durations or step ends were changed drives different plans or times;
+    /// the check reports it.
     #[test]
     fn a_tampered_record_is_reported() {
         let f = file();
-        let setup = f.setup(profile()).unwrap();
-        let reqs = workload(&f).unwrap();
-        let mut run = drive(&setup, &reqs, &mut cost(&f)).unwrap();
-        run.steps[0].duration_ns *= 50;
-        let check = replay_check(&setup, &reqs, &run).unwrap();
-        assert!(check.mismatched_steps > 0);
-        assert!(!check.first_mismatches.is_empty());
+        let (run, _) = dry(&f);
+        let mut longer = run.clone();
+        longer.steps[0].end_ns += 50_000_000;
+        let check = replay(&f, &longer);
+        assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
+        assert!(!check.first_mismatches.is_empty() || !check.outcomes_identical);
+        let mut moved = run.clone();
+        let mid = moved.steps.len() / 2;
+        moved.steps[mid].end_ns += 40_000_000;
+        let check = replay(&f, &moved);
+        assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
     }
 
-    /// Step-time prediction against the same cost model is exact.
+    /// Two prefill engines and two decode groups share the one device: the balancers use
+    /// both of each, steps never overlap on the device, and the record replays exactly.
     #[test]
-    fn predictions_of_the_cost_models_own_steps_are_exact() {
-        let f = file();
-        let setup = f.setup(profile()).unwrap();
-        let reqs = workload(&f).unwrap();
-        let c = cost(&f);
-        let run = drive(&setup, &reqs, &mut cost(&f)).unwrap();
-        let e = step_errors(&c, &run.steps);
-        assert!(e.all.abs_p90 < 1e-6, "{:?}", e.all);
-        assert_eq!(e.all.steps, run.steps.len());
-        let l = latency_comparison(&run, &run);
-        assert!(l.rows.iter().all(|r| r.error == 0.0));
+    fn the_whole_unit_shares_one_device_and_replays() {
+        let f = wide_file();
+        let (run, report) = dry(&f);
+        assert_eq!(report.completed, 9);
+        for d in [
+            DeviceId::Prefill(0),
+            DeviceId::Prefill(1),
+            DeviceId::Decode(0),
+            DeviceId::Decode(1),
+        ] {
+            assert!(
+                run.steps.iter().any(|s| s.device == Some(d)),
+                "no step on {d:?}"
+            );
+        }
+        // FIFO on one device: each step starts (start + queued) after the previous ended.
+        let mut free = 0;
+        for s in &run.steps {
+            let begin = s.start_ns + s.queued_ns;
+            assert!(begin >= free, "{s:?}");
+            assert_eq!(s.end_ns, begin + s.duration_ns.max(1));
+            free = s.end_ns;
+        }
+        assert!(run.steps.iter().any(|s| s.queued_ns > 0));
+        let check = replay(&f, &run);
+        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+        assert!(check.outcomes_identical);
     }
 
-    /// A fixed-duration backend that never accepts drafts.
-    struct Fixed(u64);
-    impl Backend for Fixed {
-        fn execute(&mut self, _now: Nanos, plan: &StepPlan, report: &mut StepReport) {
-            report.duration = Nanos(self.0);
+    /// A fixed-duration device that never accepts drafts.
+    fn fixed(ns: u64) -> impl FnMut(&StepPlan, &mut StepReport) -> Result<(), String> {
+        move |plan, report| {
+            report.duration = Nanos(ns);
             report.seqs.clear();
             report.ranks.clear();
             if let StepPlan::Decode(d) = plan {
-                report.seqs.resize(d.seqs.len(), SeqOutcome::default());
-                report
-                    .ranks
-                    .resize_with(d.ranks.len(), RankOutcome::default);
+                report.seqs.resize(d.seqs.len(), Default::default());
+                report.ranks.resize_with(d.ranks.len(), Default::default);
             }
+            Ok(())
         }
     }
 
@@ -1634,7 +1053,6 @@ think_time_s = { kind = "fixed", value = 0.2 }
     fn golden_single_request() {
         let mut f = file();
         f.conformance.chunking = ChunkPolicy::FixedSize { chunk_tokens: 256 };
-        let setup = f.setup(profile()).unwrap();
         let mut b = ChainBuilder::new(128);
         b.push(SegmentId(1), 304);
         let reqs = vec![Request {
@@ -1646,7 +1064,7 @@ think_time_s = { kind = "fixed", value = 0.2 }
             output_tokens: 4,
             content: Arc::new(b.finish()),
         }];
-        let run = drive(&setup, &reqs, &mut Fixed(1_000_000)).unwrap();
+        let (run, _) = run_virtual(&f, &profile(), &reqs, &mut fixed(1_000_000)).unwrap();
         let r = &run.requests[0];
         assert_eq!(r.ttft_ns(), Some(2_000_000));
         assert_eq!(r.last_token_ns, Some(10_000_000));
@@ -1668,14 +1086,11 @@ think_time_s = { kind = "fixed", value = 0.2 }
     }
 
     /// The split holds the wanted share of decode steps; the offset is the median residual of
-    /// the decode steps before it, and 0 for a cost model that predicts them exactly.
+    /// the decode steps before it, and 0 for a device the decode model predicts exactly.
     #[test]
     fn decode_offset_is_the_median_residual_before_the_split() {
         let f = file();
-        let c = cost(&f);
-        let setup = f.setup(profile()).unwrap();
-        let reqs = workload(&f).unwrap();
-        let mut run = drive(&setup, &reqs, &mut cost(&f)).unwrap();
+        let (mut run, _) = dry(&f);
         let decodes: Vec<usize> = (0..run.steps.len())
             .filter(|&i| matches!(run.steps[i].plan, StepPlan::Decode(_)))
             .collect();
@@ -1683,267 +1098,114 @@ think_time_s = { kind = "fixed", value = 0.2 }
         let split = decode_split(&run.steps, 0.5);
         let want = (decodes.len() as f64 * 0.5).round() as usize;
         assert_eq!(split, decodes[want - 1] + 1);
-        assert_eq!(
-            decode_split(&run.steps, 1.0),
-            decodes[decodes.len() - 1] + 1
-        );
         assert_eq!(decode_split(&run.steps, 0.0), 0);
-        let exact: Vec<f64> = run.steps.iter().map(|s| predict_ns(&c, s)).collect();
-        for (s, p) in run.steps.iter_mut().zip(&exact) {
-            s.duration_ns = p.round() as u64;
-        }
-        assert!(decode_offset_ns(&c, &run.steps[..split]).abs() <= 1.0);
-        // every decode step 2 ms slower: the offset says so
+        let model = profile().decode;
+        assert!(decode_offset_ns(&model, &run.steps[..split]).abs() <= 1.0);
         for s in run.steps.iter_mut() {
             if matches!(s.plan, StepPlan::Decode(_)) {
                 s.duration_ns += 2_000_000;
             }
         }
-        let off = decode_offset_ns(&c, &run.steps[..split]);
+        let off = decode_offset_ns(&model, &run.steps[..split]);
         assert!((off - 2e6).abs() <= 1.0, "{off}");
     }
 
-    /// A deterministic stand-in for the wall clock: every step takes `host_ns` more than the
-    /// device duration, the loop plans `post_ns` after a completion and wakes `lag_ns` after an
-    /// idle deadline, and arrivals due before a step ends are admitted while it is in flight
-    /// (as the wall clock does, one callback per arrival time).
-    struct Skewed {
-        cost: CostModel,
-        now: Nanos,
-        host_ns: u64,
-        post_ns: u64,
-        lag_ns: u64,
-    }
-
-    impl Clock for Skewed {
-        fn kind(&self) -> ClockKind {
-            ClockKind::Wall
-        }
-        fn now(&mut self) -> Nanos {
-            self.now
-        }
-        fn wait_until(&mut self, t: Nanos) {
-            self.now = self.now.max(t) + Nanos(self.lag_ns);
-        }
-        fn step(
-            &mut self,
-            start: Nanos,
-            plan: &StepPlan,
-            report: &mut StepReport,
-            admit: &mut dyn FnMut(Nanos) -> Admitted,
-        ) -> Option<Nanos> {
-            self.cost.execute(start, plan, report);
-            let end = start + report.duration + Nanos(self.host_ns.max(1));
-            let mut next = admit(start).next;
-            while let Some(t) = next.filter(|&t| t < end) {
-                next = admit(t).next;
+    /// The wall clock on a paced device (the model device's time / 50, slept on the device
+    /// thread): every request completes, arrivals are handled while a step is in flight (the
+    /// device holds its first step until one has been, so this does not depend on timing),
+    /// and the record, through JSON, replays with identical plans and outcomes. A record with
+    /// one step's end moved does not.
+    #[test]
+    fn wall_clock_run_replays_exactly() {
+        for f in [file(), wide_file()] {
+            let mut reqs = workload(&f).unwrap();
+            // Arrivals 4x closer (the workload spans 1.7 s): the test takes under a second.
+            for r in &mut reqs {
+                r.arrival = Nanos(r.arrival.0 / 4);
             }
-            self.now = end + Nanos(self.post_ns);
-            Some(end)
+            let device = WallDevice::<String>::spawn(move |probe| {
+                let mut dev = ModelDevice::new(profile(), 0.75, 3);
+                let mut first = true;
+                Ok(move |plan: &StepPlan, r: &mut StepReport| {
+                    let t = std::time::Instant::now();
+                    dev.run(plan, r)?;
+                    std::thread::sleep(std::time::Duration::from_nanos(r.duration.0 / 50));
+                    if std::mem::take(&mut first) {
+                        let give_up = t + std::time::Duration::from_secs(10);
+                        while probe.admitted() == 0 && std::time::Instant::now() < give_up {
+                            std::thread::sleep(std::time::Duration::from_micros(200));
+                        }
+                    }
+                    // The device's own measurement of the step.
+                    r.duration = Nanos(t.elapsed().as_nanos() as u64);
+                    Ok(())
+                })
+            })
+            .unwrap();
+            let (run, report) = run_unit(
+                &f,
+                &profile(),
+                &reqs,
+                |u| GpuEnv::wall_clock(device, u),
+                GpuEnv::finish,
+            )
+            .unwrap();
+            assert_eq!(run.clock, ClockKind::Wall);
+            assert_eq!(report.completed, 9);
+            assert!(run.admitted_in_flight >= 1);
+            for s in &run.steps {
+                assert!(s.start_ns < s.end_ns, "{s:?}");
+            }
+            let h = host_overhead(&run);
+            assert_eq!(h.admitted_in_flight, run.admitted_in_flight);
+            let rec: RunOutcome =
+                serde_json::from_str(&serde_json::to_string(&run).unwrap()).unwrap();
+            let check = replay_check(&f, &profile(), &reqs, &rec).unwrap();
+            assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+            assert!(check.outcomes_identical);
+            assert_eq!(check.replayed_steps, run.steps.len());
+            let mut moved = rec.clone();
+            let last = moved.steps.len() - 1;
+            moved.steps[last / 2].end_ns += 50_000_000;
+            let check = replay_check(&f, &profile(), &reqs, &moved).unwrap();
+            assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
         }
     }
 
     /// Loads a committed record, or None where the file has not been committed.
     fn committed(run: &str) -> Option<Record> {
         let path = format!(
-            "{}/measurements/2026-11-29-nvidia-h200-{run}-conformance-record.json",
+            "{}/measurements/2026-11-29-nvidia-h200-{run}-record.json",
             env!("CARGO_MANIFEST_DIR")
         );
         let text = std::fs::read_to_string(path).ok()?;
         Some(serde_json::from_str(&text).unwrap())
     }
 
-    /// The records of the H200 runs 4, 5 and 8 (virtual clock, no `end_ns`) still load, and
-    /// the recorded clock replays them exactly, as the virtual loop's replay did.
+    /// The records of the one-device engine loop (H200 runs 4–19) still load, their steps
+    /// keep their plans and times, and the replay says plainly that they have no input log.
     #[test]
-    fn committed_virtual_records_replay_exactly() {
-        for run in ["run4", "run5", "run8"] {
+    fn committed_records_of_the_old_loop_load() {
+        let mut seen = 0;
+        for run in [
+            "run4-conformance",
+            "run8-conformance",
+            "run14-conformance-wall",
+            "run17-wide-conformance-wall",
+        ] {
             let Some(rec) = committed(run) else { continue };
-            assert_eq!(rec.run.clock, ClockKind::Virtual);
-            assert!(rec.run.steps.iter().all(|s| s.end_ns == 0));
-            let file = ConformanceFile::parse(&rec.config, "record.config").unwrap();
-            let profile =
-                HardwareProfile::from_toml_str(&rec.policy_profile, "record.profile").unwrap();
-            let setup = file.setup(profile).unwrap();
-            let reqs = workload(&file).unwrap();
-            let check = replay_check(&setup, &reqs, &rec.run).unwrap();
-            assert_eq!(
-                check.mismatched_steps, 0,
-                "{run}: {:?}",
-                check.first_mismatches
+            seen += 1;
+            assert!(!rec.run.steps.is_empty(), "{run}");
+            assert!(rec.run.inputs.is_empty());
+            assert!(
+                rec.run
+                    .steps
+                    .iter()
+                    .all(|s: &RecordedStep| s.device.is_none())
             );
-            assert!(check.outcomes_identical, "{run}");
+            let check = replay_record(&rec).unwrap();
+            assert!(!check.replayable, "{run}");
         }
-    }
-
-    /// The virtual loop's record now carries every step's end (= start + duration), and the
-    /// same record with the ends dropped (the old format) replays the same way.
-    #[test]
-    fn virtual_records_with_and_without_ends_replay_alike() {
-        let f = file();
-        let setup = f.setup(profile()).unwrap();
-        let reqs = workload(&f).unwrap();
-        let run = drive(&setup, &reqs, &mut cost(&f)).unwrap();
-        assert!(
-            run.steps
-                .iter()
-                .all(|s| s.end_ns == s.start_ns + s.duration_ns.max(1))
-        );
-        let mut old = serde_json::to_value(&run).unwrap();
-        for s in old["steps"].as_array_mut().unwrap() {
-            s.as_object_mut().unwrap().remove("end_ns");
-        }
-        old.as_object_mut().unwrap().remove("clock");
-        let old: RunOutcome = serde_json::from_value(old).unwrap();
-        assert!(old.steps.iter().all(|s| s.end_ns == 0));
-        for r in [&run, &old] {
-            let check = replay_check(&setup, &reqs, r).unwrap();
-            assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
-            assert!(check.outcomes_identical);
-        }
-    }
-
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(12))]
-        /// Whatever host time the clock adds inside steps, after completions and on idle
-        /// wake-ups, the recorded start and end times replay every plan and outcome exactly,
-        /// arrivals admitted in flight included; moving one step's end breaks it.
-        #[test]
-        fn skewed_clock_records_replay_exactly(
-            host_ns in 0u64..3_000_000,
-            post_ns in 0u64..2_000_000,
-            lag_ns in 0u64..5_000_000,
-        ) {
-            let f = file();
-            let setup = f.setup(profile()).unwrap();
-            let reqs = workload(&f).unwrap();
-            let mut clock = Skewed { cost: cost(&f), now: Nanos::ZERO, host_ns, post_ns, lag_ns };
-            let run = drive_on(&setup, &reqs, &mut clock).unwrap();
-            proptest::prop_assert!(run.requests.iter().all(|r| r.last_token_ns.is_some()));
-            proptest::prop_assert!(run.steps.iter().all(|s| s.host_overhead_ns() as u64 == host_ns.max(1)));
-            let check = replay_check(&setup, &reqs, &run).unwrap();
-            proptest::prop_assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
-            proptest::prop_assert!(check.outcomes_identical);
-            let mut moved = run.clone();
-            moved.steps[0].end_ns += 40_000_000;
-            let check = replay_check(&setup, &reqs, &moved).unwrap();
-            proptest::prop_assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
-        }
-    }
-
-    /// The wall-clock loop on a paced device (the cost model's predicted time / 50, slept on
-    /// the device thread): every request completes, arrivals are admitted while a step is in
-    /// flight (the device holds its first step until one has been, so this does not depend on
-    /// timing), and the record, through JSON, replays with identical plans and outcomes. A
-    /// record with one step's end moved does not.
-    #[test]
-    fn wall_clock_run_replays_exactly() {
-        let f = file();
-        let setup = f.setup(profile()).unwrap();
-        let mut reqs = workload(&f).unwrap();
-        // Arrivals 4x closer (the workload spans 1.7 s): the test takes under half a second.
-        for r in &mut reqs {
-            r.arrival = Nanos(r.arrival.0 / 4);
-        }
-        let device = f.clone();
-        let mut clock = WallClock::<std::convert::Infallible>::spawn(move |probe| {
-            let mut c = cost(&device);
-            let mut first = true;
-            Ok(move |plan: &StepPlan, r: &mut StepReport| {
-                let t = std::time::Instant::now();
-                c.execute(Nanos::ZERO, plan, r);
-                std::thread::sleep(std::time::Duration::from_nanos(r.duration.0 / 50));
-                if std::mem::take(&mut first) {
-                    let give_up = t + std::time::Duration::from_secs(10);
-                    while probe.admitted() == 0 && std::time::Instant::now() < give_up {
-                        std::thread::sleep(std::time::Duration::from_micros(200));
-                    }
-                }
-                // The device's own measurement of the step.
-                r.duration = Nanos(t.elapsed().as_nanos() as u64);
-                Ok(())
-            })
-        })
-        .unwrap();
-        let in_flight = clock.in_flight();
-        let run = drive_on(&setup, &reqs, &mut clock).unwrap();
-        clock.finish().unwrap();
-        assert_eq!(run.clock, ClockKind::Wall);
-        assert!(run.requests.iter().all(|r| r.last_token_ns.is_some()));
-        assert!(run.admitted_in_flight >= 1);
-        assert_eq!(run.admitted_in_flight, in_flight.admitted());
-        for (a, b) in run.steps.iter().zip(run.steps.iter().skip(1)) {
-            assert!(a.start_ns < a.end_ns && a.end_ns <= b.start_ns);
-        }
-        let h = host_overhead(&run);
-        assert_eq!(h.admitted_in_flight, run.admitted_in_flight);
-        assert_eq!(h.steps, run.steps.len());
-        let rec: RunOutcome = serde_json::from_str(&serde_json::to_string(&run).unwrap()).unwrap();
-        let check = replay_check(&setup, &reqs, &rec).unwrap();
-        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
-        assert!(check.outcomes_identical);
-        assert_eq!(check.replayed_steps, run.steps.len());
-        let mut moved = rec.clone();
-        let last = moved.steps.len() - 1;
-        moved.steps[last / 2].end_ns += 50_000_000;
-        let check = replay_check(&setup, &reqs, &moved).unwrap();
-        assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
-    }
-
-    /// The report of a wall-clock record states the clock, the host time per step and the
-    /// arrivals admitted in flight; the latency rows use the recorded (wall) times.
-    #[test]
-    fn report_of_a_wall_record_states_clock_and_host_time() {
-        let f = file();
-        let setup = f.setup(profile()).unwrap();
-        let reqs = workload(&f).unwrap();
-        let mut clock = Skewed {
-            cost: cost(&f),
-            now: Nanos::ZERO,
-            host_ns: 1_000_000,
-            post_ns: 0,
-            lag_ns: 0,
-        };
-        let run = drive_on(&setup, &reqs, &mut clock).unwrap();
-        assert!(run.admitted_in_flight >= 1);
-        let rec = Record {
-            config: CONFIG.to_string(),
-            policy_profile: toml::to_string(&profile()).unwrap(),
-            gpu: "paced".into(),
-            date: "d".into(),
-            commit: "c".into(),
-            run: run.clone(),
-        };
-        let a = analyze(&rec, profile()).unwrap();
-        assert_eq!(a.clock, ClockKind::Wall);
-        assert_eq!(a.replay.mismatched_steps, 0);
-        assert_eq!(a.host.steps, run.steps.len());
-        assert!((a.host.sum_ms - run.steps.len() as f64).abs() < 1e-9);
-        assert_eq!(a.host.median_ms, 1.0);
-        let ttft: Vec<f64> = run
-            .requests
-            .iter()
-            .filter_map(|r| r.ttft_ns().map(|t| t as f64 / 1e6))
-            .collect();
-        assert_eq!(a.latency.rows[0].gpu_ms, percentile(&ttft, 0.5));
-        let md = markdown(&a);
-        assert!(md.contains("Clock: **wall**"), "{md}");
-        assert!(
-            md.contains(&format!(
-                "{} of 9 requests were admitted while a step was in flight",
-                run.admitted_in_flight
-            )),
-            "{md}"
-        );
-        assert!(md.contains("median 1.000 ms"), "{md}");
-    }
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let v: Vec<f64> = (1..=10).map(f64::from).collect();
-        assert_eq!(percentile(&v, 0.5), 5.0);
-        assert_eq!(percentile(&v, 0.9), 9.0);
-        assert_eq!(percentile(&v, 0.99), 10.0);
-        assert_eq!(percentile(&[], 0.5), 0.0);
+        assert!(seen >= 1, "no committed record found");
     }
 }

@@ -1,7 +1,8 @@
 //! The CUDA side of servelab: GPU measurements (speed against the device's own ceilings), the
-//! CUDA backend, and the engine loop that drives it with the `core` policies on a virtual or a
-//! wall clock. The `servelab-gpu` binary runs these on a GPU machine without the main binary
-//! (which needs polars).
+//! CUDA backend, and the GPU environment of the serving unit (`servelab_core::unit`) on a
+//! virtual or a wall clock; no serving loop of its own, and no dependency on the simulator.
+//! The `servelab-gpu` binary runs these on a GPU machine without the main binary (which needs
+//! polars).
 
 pub mod affinity;
 pub mod backend;
@@ -11,6 +12,7 @@ pub mod cli;
 pub mod clock;
 pub mod commands;
 pub mod conformance;
+pub mod env;
 pub mod report;
 pub mod speed;
 pub mod timing;

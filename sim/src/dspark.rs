@@ -4,7 +4,7 @@
 
 use crate::acceptance::AcceptanceModel;
 use crate::cost::{CostModel, SwapIn};
-use crate::profile::HardwareProfile;
+use crate::profile::{HardwareProfile, ProfileFiles};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};

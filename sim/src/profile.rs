@@ -1,56 +1,41 @@
 //! Hardware profiles: the coefficients of the cost model, read from a TOML file. The shipped
 //! `sm100-published` profile (`sim/profiles/sm100-published.toml`) is fitted to SPEC §11 and
-//! §10; a profile measured on a GPU is loaded the same way with [`HardwareProfile::load`].
+//! §10; a profile measured on a GPU is loaded the same way with [`ProfileFiles::load`].
 
-use serde::{Deserialize, Serialize};
-use servelab_core::engine::{DecodeTimeModel, PrefillCostModel};
-use servelab_core::{ConfigError, Nanos};
+use servelab_core::ConfigError;
 use std::path::Path;
 
 /// The shipped profile fitted to the published operating points.
 pub const SM100_PUBLISHED: &str = include_str!("../profiles/sm100-published.toml");
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct HardwareProfile {
-    pub name: String,
-    /// Where the numbers come from and how well they fit.
-    #[serde(default)]
-    pub description: String,
-    /// One prefill DP rank (one GPU of an EP4/DP4 instance).
-    pub prefill: PrefillCostModel,
-    /// One decode DP rank of a lockstep EP group.
-    pub decode: DecodeTimeModel,
-    pub transfer: TransferProfile,
-}
+/// The profile types are core's (data, no I/O); this module loads them from files.
+pub use servelab_core::profile::{HardwareProfile, TransferProfile};
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TransferProfile {
-    /// Host → HBM swap-in over the RDMA NIC, bytes per second per GPU.
-    pub swap_in_bytes_per_s: f64,
-    /// CPU time between decode steps under synchronous scheduling (planning and
-    /// post-processing that async scheduling hides behind the GPU).
-    pub sync_gap: Nanos,
-}
-
-impl HardwareProfile {
+/// Loading a [`HardwareProfile`] from TOML text, a file or a shipped name (an extension trait:
+/// the type lives in `servelab_core`, which does no I/O).
+pub trait ProfileFiles: Sized {
     /// Parses a profile; `origin` names the file in errors.
-    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
+    fn from_toml_str(text: &str, origin: &str) -> Result<Self, ConfigError>;
+    fn load(path: &Path) -> Result<Self, ConfigError>;
+    /// A shipped profile by name, or a path to a profile file (anything ending in `.toml`).
+    fn resolve(spec: &str) -> Result<Self, ConfigError>;
+}
+
+impl ProfileFiles for HardwareProfile {
+    fn from_toml_str(text: &str, origin: &str) -> Result<Self, ConfigError> {
         let p: HardwareProfile = toml::from_str(text)
             .map_err(|e| ConfigError::invalid(origin, e.to_string().trim_end().to_string()))?;
         p.validate()?;
         Ok(p)
     }
 
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+    fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::invalid(path.display().to_string(), e.to_string()))?;
         Self::from_toml_str(&text, &path.display().to_string())
     }
 
-    /// A shipped profile by name, or a path to a profile file (anything ending in `.toml`).
-    pub fn resolve(spec: &str) -> Result<Self, ConfigError> {
+    fn resolve(spec: &str) -> Result<Self, ConfigError> {
         match spec {
             "sm100-published" => Self::from_toml_str(SM100_PUBLISHED, "sm100-published"),
             s if s.ends_with(".toml") => Self::load(Path::new(s)),
@@ -61,19 +46,6 @@ impl HardwareProfile {
                 ),
             )),
         }
-    }
-
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        self.prefill.validate("profile.prefill")?;
-        self.decode.validate("profile.decode")?;
-        let bw = self.transfer.swap_in_bytes_per_s;
-        if !(bw.is_finite() && bw > 0.0) {
-            return Err(ConfigError::invalid(
-                "profile.transfer.swap_in_bytes_per_s",
-                "must be positive",
-            ));
-        }
-        Ok(())
     }
 }
 

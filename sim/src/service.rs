@@ -11,7 +11,7 @@
 use crate::acceptance::AcceptanceModel;
 use crate::cost::{CostModel, SwapIn};
 use crate::env::VirtualEnv;
-use crate::profile::HardwareProfile;
+use crate::profile::{HardwareProfile, ProfileFiles};
 use serde::{Deserialize, Serialize};
 use servelab_core::eplb::ExpertLoadConfig;
 use servelab_core::unit::drive::NoObserver;

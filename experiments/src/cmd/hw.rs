@@ -3,10 +3,14 @@
 //! and check kernels and the backend. Each needs a GPU (except `conformance --record` and
 //! `--dry-run`, and `refit`); without one it says so and fails. The commands and their
 //! dispatcher live in `servelab_hw::cli`, which the standalone `servelab-gpu` (hw/README.md)
-//! shares.
+//! shares; `conformance` (without `--dry-run`) is run here: the GPU side (record and replay)
+//! is `servelab_hw::commands::conformance`, the comparison with the simulator is
+//! [`crate::exp::conformance`] (the hw crate does not depend on the simulator).
 
 use anyhow::{Result, anyhow};
 pub use servelab_hw::cli::HwCommand;
+use servelab_hw::commands::{self, ConformanceOptions};
+use servelab_sim::profile::{HardwareProfile, ProfileFiles};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -16,7 +20,67 @@ pub struct Args {
 
 /// The hw crate's errors already name what failed.
 pub fn run(args: Args) -> Result<()> {
-    servelab_hw::cli::run(args.command, &mut |l| eprintln!("{l}")).map_err(|e| anyhow!("{e}"))
+    let log = &mut |l: &str| eprintln!("{l}");
+    match args.command {
+        HwCommand::Conformance {
+            config,
+            out,
+            profile,
+            record,
+            dry_run: false,
+            clock,
+            date,
+            commit,
+            prefix,
+        } => {
+            let o = ConformanceOptions {
+                config,
+                out,
+                profile,
+                record,
+                clock,
+                date,
+                commit,
+                prefix,
+            };
+            conformance(&o, log)
+        }
+        cmd => servelab_hw::cli::run(cmd, log).map_err(|e| anyhow!("{e}")),
+    }
+}
+
+/// Records (or loads) and replays the GPU run, then compares it with the simulator's runs of
+/// the same unit; writes `conformance.md` and `conformance.json` under `out`.
+fn conformance(o: &ConformanceOptions, log: &mut dyn FnMut(&str)) -> Result<()> {
+    let (record, _) = commands::conformance(o, log).map_err(|e| anyhow!("{e}"))?;
+    let profile = match &o.profile {
+        Some(spec) => HardwareProfile::resolve(spec)?,
+        None => servelab_hw::conformance::parse_profile(&record.policy_profile, "record.profile")?,
+    };
+    let a = crate::exp::conformance::analyze(&record, profile).map_err(|e| anyhow!("{e}"))?;
+    let md = crate::exp::conformance::markdown(&a);
+    std::fs::create_dir_all(&o.out)?;
+    let md_path = o.out.join(format!("{}conformance.md", o.prefix));
+    std::fs::write(&md_path, &md).map_err(|e| anyhow!("{}: {e}", md_path.display()))?;
+    let json_path = o.out.join(format!("{}conformance.json", o.prefix));
+    std::fs::write(&json_path, serde_json::to_string_pretty(&a)?)
+        .map_err(|e| anyhow!("{}: {e}", json_path.display()))?;
+    println!("{md}");
+    println!(
+        "{} plans, {} mismatched; step-time error median {:.1}%, P90 {:.1}%",
+        a.steps,
+        a.replay.mismatched_steps,
+        100.0 * a.step_errors.all.abs_median,
+        100.0 * a.step_errors.all.abs_p90
+    );
+    if a.replay.mismatched_steps > 0 {
+        return Err(anyhow!(
+            "{} of {} plans differ between the GPU run and its replay",
+            a.replay.mismatched_steps,
+            a.replay.recorded_steps
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use servelab_core::engine::VerificationPolicy;
 use servelab_sim::acceptance::AcceptanceModel;
 use servelab_sim::dspark::{DsparkPoint, DsparkResult, run_point};
-use servelab_sim::profile::HardwareProfile;
+use servelab_sim::profile::{HardwareProfile, ProfileFiles};
 
 /// The most sequence-steps (ranks × sequences per rank × steps) one point may run: 2^30, about a
 /// minute of the release build.

@@ -4,6 +4,7 @@ use crate::config::LoadedConfig;
 use std::path::PathBuf;
 
 pub mod cache_policy;
+pub mod conformance;
 pub mod dspark;
 pub mod econ;
 pub mod eplb;

@@ -594,42 +594,11 @@ impl CudaBackend {
     }
 
     fn run_decode(&mut self, d: &DecodePlan, report: &mut StepReport) -> Result<(), BackendError> {
-        // Verified drafts per sequence: fixed = max_drafts; dynamic = the rank's budget dealt
-        // one draft at a time round-robin (the random model gives no confidences to sort by).
-        let mut verified = vec![0u32; d.seqs.len()];
-        for rank in &d.ranks {
-            let (a, b) = (rank.seq_start as usize, rank.seq_end as usize);
-            if a > b || b > d.seqs.len() {
-                return Err(BackendError::Plan(format!(
-                    "rank seqs {a}..{b} outside the plan's {}",
-                    d.seqs.len()
-                )));
-            }
-            let span = &mut verified[a..b];
-            let caps = &d.seqs[a..b];
-            if d.dynamic {
-                let mut left = rank.verify_budget;
-                let mut progress = true;
-                while left > 0 && progress {
-                    progress = false;
-                    for (v, s) in span.iter_mut().zip(caps) {
-                        if left > 0 && *v < s.max_drafts {
-                            *v += 1;
-                            left -= 1;
-                            progress = true;
-                        }
-                    }
-                }
-            } else {
-                for (v, s) in span.iter_mut().zip(caps) {
-                    *v = s.max_drafts;
-                }
-            }
-        }
+        let verified = deal_verified(d)?;
         forward::decode(self, d, &verified)?;
         let pa = self.cfg.draft_acceptance;
-        for (i, _) in d.seqs.iter().enumerate() {
-            let v = verified[i].min(u8::MAX as u32) as u8;
+        for &v in &verified {
+            let v = v.min(u8::MAX as u32) as u8;
             let mut accepted = 0u8;
             while accepted < v && self.accept_rng.random::<f64>() < pa {
                 accepted += 1;
@@ -639,16 +608,62 @@ impl CudaBackend {
                 accepted,
             });
         }
-        for rank in &d.ranks {
+        report.ranks.extend(confidences(d, pa));
+        Ok(())
+    }
+}
+
+/// Verified drafts per sequence of a decode plan: fixed = `max_drafts`; dynamic = the rank's
+/// budget dealt one draft at a time round-robin (the random model gives no confidences to
+/// sort by).
+pub fn deal_verified(d: &DecodePlan) -> Result<Vec<u32>, BackendError> {
+    let mut verified = vec![0u32; d.seqs.len()];
+    for rank in &d.ranks {
+        let (a, b) = (rank.seq_start as usize, rank.seq_end as usize);
+        if a > b || b > d.seqs.len() {
+            return Err(BackendError::Plan(format!(
+                "rank seqs {a}..{b} outside the plan's {}",
+                d.seqs.len()
+            )));
+        }
+        let span = &mut verified[a..b];
+        let caps = &d.seqs[a..b];
+        if !d.dynamic {
+            for (v, s) in span.iter_mut().zip(caps) {
+                *v = s.max_drafts;
+            }
+            continue;
+        }
+        let mut left = rank.verify_budget;
+        let mut progress = true;
+        while left > 0 && progress {
+            progress = false;
+            for (v, s) in span.iter_mut().zip(caps) {
+                if left > 0 && *v < s.max_drafts {
+                    *v += 1;
+                    left -= 1;
+                    progress = true;
+                }
+            }
+        }
+    }
+    Ok(verified)
+}
+
+/// The draft head's confidences per rank: every draft accepted with probability `pa` while
+/// the prefix holds, so draft i's cumulative product is `pa^i`.
+pub fn confidences(d: &DecodePlan, pa: f64) -> Vec<RankOutcome> {
+    d.ranks
+        .iter()
+        .map(|rank| {
             let mut out = RankOutcome::default();
             for s in &d.seqs[rank.seq_start as usize..rank.seq_end as usize] {
                 let cum: Vec<f64> = (1..=s.max_drafts).map(|i| pa.powi(i as i32)).collect();
                 out.confidence.add(&cum, 1);
             }
-            report.ranks.push(out);
-        }
-        Ok(())
-    }
+            out
+        })
+        .collect()
 }
 
 impl Backend for CudaBackend {
