@@ -4,7 +4,7 @@
 
 use crate::acceptance::AcceptanceModel;
 use crate::cost::{CostModel, SwapIn};
-use crate::profile::{HardwareProfile, ProfileFiles};
+use crate::profile::HardwareProfile;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -192,6 +192,7 @@ fn empty_plan() -> DecodePlan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::ProfileFiles;
 
     fn point(b: u32) -> DsparkPoint {
         DsparkPoint {
