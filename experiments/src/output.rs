@@ -99,7 +99,7 @@ pub fn summary_json(metrics: &BTreeMap<String, f64>) -> Result<String> {
 /// value (null in Parquet, an empty CSV cell), so no output file holds a non-finite number.
 pub fn check_finite(table: &str, df: &mut DataFrame) -> Result<()> {
     let mut replace = Vec::new();
-    for col in df.get_columns() {
+    for col in df.columns() {
         let s = col.as_materialized_series();
         let values: Vec<Option<f64>> = match s.dtype() {
             DataType::Float64 => s.f64()?.iter().collect(),
@@ -124,7 +124,7 @@ pub fn check_finite(table: &str, df: &mut DataFrame) -> Result<()> {
     }
     for s in replace {
         let name = s.name().to_string();
-        df.replace(&name, s)?;
+        df.replace(&name, s.into_column())?;
     }
     Ok(())
 }
@@ -132,7 +132,7 @@ pub fn check_finite(table: &str, df: &mut DataFrame) -> Result<()> {
 /// ` (class = agent, metric = ttft_ms)`: the row's string columns, to find it.
 fn row_context(df: &DataFrame, row: usize) -> String {
     let parts: Vec<String> = df
-        .get_columns()
+        .columns()
         .iter()
         .filter(|c| matches!(c.dtype(), DataType::String))
         .take(3)

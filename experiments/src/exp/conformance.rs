@@ -76,6 +76,7 @@ pub fn service_config(
         swap_in: SwapIn::Overlapped,
         acceptance: matched_acceptance(file),
         moe: MoeImbalance::Fixed,
+        arrivals: Default::default(),
         warmup: unit.warmup,
         measure_until: unit.measure_until,
         series_interval: unit.series_interval,

@@ -45,7 +45,7 @@ pub fn from_frame(df: &DataFrame, keys: &[&str]) -> Result<Metrics> {
         .collect::<PolarsResult<_>>()?;
     for row in 0..df.height() {
         let prefix: Vec<String> = key_cols.iter().filter_map(|c| cell_text(c, row)).collect();
-        for c in df.get_columns() {
+        for c in df.columns() {
             if keys.contains(&c.name().as_str()) {
                 continue;
             }
