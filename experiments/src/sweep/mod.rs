@@ -464,7 +464,8 @@ fn tidy_table(
         let v: Vec<Option<f64>> = results.iter().map(|r| r.get(m).copied()).collect();
         cols.push(Column::new(m.as_str().into(), v));
     }
-    Ok(DataFrame::new(cols)?)
+    let height = cols.first().map_or(0, |c| c.len());
+    Ok(DataFrame::new(height, cols)?)
 }
 
 type Stats = BTreeMap<(usize, String), Interval>;
@@ -518,7 +519,8 @@ fn summary_table(
     cols.push(Column::new("std".into(), get(&|i| i.std)));
     cols.push(Column::new("ci95_low".into(), get(&|i| i.low())));
     cols.push(Column::new("ci95_high".into(), get(&|i| i.high())));
-    Ok(DataFrame::new(cols)?)
+    let height = cols.first().map_or(0, |c| c.len());
+    Ok(DataFrame::new(height, cols)?)
 }
 
 /// Is the metric the same (exactly) at every point?
