@@ -296,6 +296,7 @@ impl LoadedConfig {
     }
 
     /// The seed-independent identity of the effective config: the file and its overrides.
+    #[allow(dead_code)]
     pub fn fingerprint_text(&self) -> String {
         let mut s = self.text.clone();
         for o in &self.overrides {
@@ -506,6 +507,7 @@ impl LoadedConfig {
     }
 
     /// Whether the effective document sets this key (dotted path, indices allowed).
+    #[allow(dead_code)]
     pub fn has_key(&self, path: &str) -> bool {
         canonical_key(path).is_ok_and(|p| self.keys.contains_key(&p))
     }
@@ -700,6 +702,7 @@ fn kind_name(v: &DeValue<'_>) -> &'static str {
 }
 
 /// Parses TOML text into `T`, prefixing errors (which carry line, column and key) with the file.
+#[allow(dead_code)]
 pub fn parse_toml<T: DeserializeOwned>(path: &Path, text: &str) -> Result<T> {
     toml::from_str(text).map_err(|e| anyhow!("{}: {}", path.display(), e.to_string().trim_end()))
 }

@@ -311,12 +311,7 @@ fn spread<T: Copy>(grid: &[T], k: usize) -> Vec<T> {
 
 /// Two panels (token and block hit rate) with a log x axis and a line per class; `faint`
 /// series (the sampled curves next to exact ones) are drawn thin with markers.
-fn curve_plot(
-    path: &Path,
-    title: &str,
-    x_label: &str,
-    series: &[(String, usize, bool, Vec<(f64, f64, f64)>)],
-) -> Result<()> {
+fn curve_plot(path: &Path, title: &str, x_label: &str, series: &[CurveSeries]) -> Result<()> {
     let root = SVGBackend::new(path, (1200, 560)).into_drawing_area();
     root.fill(&WHITE)
         .map_err(|x| anyhow::anyhow!("plot: {x:?}"))?;
@@ -381,12 +376,7 @@ fn curve_plot(
     Ok(())
 }
 
-fn series_of(
-    rows: &[Row],
-    curves: &Curves,
-    suffix: &str,
-    faint: bool,
-) -> Vec<(String, usize, bool, Vec<(f64, f64, f64)>)> {
+fn series_of(rows: &[Row], curves: &Curves, suffix: &str, faint: bool) -> Vec<CurveSeries> {
     curves
         .curves()
         .enumerate()
@@ -833,3 +823,6 @@ pub fn run(a: Args) -> Result<()> {
     }
     Ok(())
 }
+
+/// One plotted curve: (label, panel, log axis, points (x, token hit rate, block hit rate)).
+type CurveSeries = (String, usize, bool, Vec<(f64, f64, f64)>);

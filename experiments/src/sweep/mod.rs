@@ -44,6 +44,7 @@ pub struct Options<'a> {
     /// Points run at once (default: the cores).
     pub jobs: Option<usize>,
     /// `--set` overrides of the whole sweep (every point gets them first).
+    #[allow(dead_code)]
     pub base_overrides: &'a [Override],
 }
 
@@ -645,6 +646,7 @@ fn plot_metric(path: &Path, spec: &Spec, points: &[Point], m: &str, stats: &Stat
 }
 
 /// Keys that change nothing, and percentiles that do not move while their mean does.
+#[allow(clippy::needless_range_loop)]
 fn warnings(
     spec: &Spec,
     points: &[Point],

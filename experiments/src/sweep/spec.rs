@@ -127,6 +127,7 @@ pub struct Point {
 }
 
 impl Spec {
+    #[allow(dead_code)]
     pub fn axes(&self) -> impl Iterator<Item = &Axis> {
         self.dims.iter().flat_map(|d| d.axes.iter())
     }
