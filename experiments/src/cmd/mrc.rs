@@ -7,7 +7,7 @@
 //! blocks live the TTL after their last access, the same TTL for every class (see
 //! `servelab_sim::mrc`). Output files hold no timings; speeds go to stdout only.
 
-use super::replay::Format;
+use crate::exp::trace_source::TraceFormat as Format;
 use crate::output::{Manifest, RunOutput, markdown_table};
 use crate::plot;
 use anyhow::{Context, Result, bail};
@@ -17,7 +17,7 @@ use serde::Serialize;
 use servelab_core::{ClassTtl, Nanos, StoreConfig, TrafficClass};
 use servelab_sim::mrc::{ClassCurve, Curves, MrcOptions, curves, log_grid};
 use servelab_sim::replay::{BlockReplayReport, block_replay};
-use servelab_workloads::{Trace, azure, mooncake, native};
+use servelab_workloads::Trace;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -63,29 +63,7 @@ pub struct Args {
 }
 
 fn load(a: &Args, class: TrafficClass) -> Result<Trace> {
-    Ok(match a.format {
-        Format::Mooncake => mooncake::load(
-            &a.trace,
-            &mooncake::MooncakeOptions {
-                block_tokens: a.block_size,
-                class,
-                ..Default::default()
-            },
-        )?,
-        Format::Azure => azure::load(
-            &a.trace,
-            &azure::AzureOptions {
-                block_tokens: a.block_size.unwrap_or(128),
-                class,
-            },
-        )?,
-        Format::Native => native::load(
-            &a.trace,
-            &native::NativeOptions {
-                block_tokens: a.block_size.unwrap_or(128),
-            },
-        )?,
-    })
+    crate::exp::trace_source::read(&a.trace, a.format, a.block_size, class)
 }
 
 /// The store a point replay uses for one capacity: LRU only, evicting exactly what does not fit.

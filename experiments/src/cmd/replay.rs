@@ -3,15 +3,10 @@
 use anyhow::{Context, Result, bail};
 use servelab_core::{ClassTtl, Nanos, StoreConfig, TrafficClass, parse_duration};
 use servelab_sim::replay::block_replay;
-use servelab_workloads::{Trace, azure, mooncake, native};
+use servelab_workloads::Trace;
 use std::path::PathBuf;
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum Format {
-    Mooncake,
-    Azure,
-    Native,
-}
+pub use crate::exp::trace_source::TraceFormat as Format;
 
 #[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum)]
 pub enum StorePolicy {
@@ -108,29 +103,7 @@ pub fn run(a: Args) -> Result<()> {
         }
         _ => {}
     }
-    let trace: Trace = match a.format {
-        Format::Mooncake => mooncake::load(
-            &a.trace,
-            &mooncake::MooncakeOptions {
-                block_tokens: a.block_size,
-                class,
-                ..Default::default()
-            },
-        )?,
-        Format::Azure => azure::load(
-            &a.trace,
-            &azure::AzureOptions {
-                block_tokens: a.block_size.unwrap_or(128),
-                class,
-            },
-        )?,
-        Format::Native => native::load(
-            &a.trace,
-            &native::NativeOptions {
-                block_tokens: a.block_size.unwrap_or(128),
-            },
-        )?,
-    };
+    let trace: Trace = crate::exp::trace_source::read(&a.trace, a.format, a.block_size, class)?;
     let block_bytes = u64::from(trace.block_tokens) * u64::from(a.bytes_per_token);
     let capacity = match (a.capacity_blocks, a.capacity_bytes) {
         (Some(b), _) => Some(

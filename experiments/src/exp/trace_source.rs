@@ -9,7 +9,7 @@ use servelab_workloads::generate::{WorkloadConfig, generate};
 use servelab_workloads::{Trace, azure, mooncake, native};
 use std::path::{Path, PathBuf};
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum TraceFormat {
     Mooncake,
@@ -62,24 +62,40 @@ fn load_file(t: &TraceFile, config_path: &Path, block_tokens: u32) -> Result<Tra
             )
         })?,
     };
-    let trace = match t.format {
+    let trace = read(&path, t.format, Some(block_tokens), class)
+        .with_context(|| format!("{}: trace.path", config_path.display()))?;
+    Ok(trace)
+}
+
+/// Reads a trace file keyed at `block_tokens` (None: Mooncake keeps its own 512-token blocks,
+/// the other formats use 128), every request of class `class` where the file does not say.
+pub fn read(
+    path: &Path,
+    format: TraceFormat,
+    block_tokens: Option<u32>,
+    class: TrafficClass,
+) -> Result<Trace> {
+    Ok(match format {
         TraceFormat::Mooncake => mooncake::load(
-            &path,
+            path,
             &mooncake::MooncakeOptions {
-                block_tokens: Some(block_tokens),
+                block_tokens,
                 class,
                 ..Default::default()
             },
-        ),
+        )?,
         TraceFormat::Azure => azure::load(
-            &path,
+            path,
             &azure::AzureOptions {
-                block_tokens,
+                block_tokens: block_tokens.unwrap_or(128),
                 class,
             },
-        ),
-        TraceFormat::Native => native::load(&path, &native::NativeOptions { block_tokens }),
-    }
-    .with_context(|| format!("{}: trace.path", config_path.display()))?;
-    Ok(trace)
+        )?,
+        TraceFormat::Native => native::load(
+            path,
+            &native::NativeOptions {
+                block_tokens: block_tokens.unwrap_or(128),
+            },
+        )?,
+    })
 }
