@@ -352,3 +352,273 @@ proptest! {
         }
     }
 }
+
+/// A store over `nodes` nodes in groups of `data + parity`, per-node GC with nodes of
+/// `node_bytes` bytes, evicting exactly what does not fit; blocks of 100 bytes.
+fn per_node(nodes: u32, data: u32, parity: u32, node_bytes: u64) -> KvStore {
+    let cfg = StoreConfig {
+        storage_nodes: nodes,
+        ec_data_shards: data,
+        ec_parity_shards: parity,
+        gc: GcPolicy::PerNodeLru,
+        node: StorageNodeConfig {
+            ssds: 1,
+            ssd_bytes: node_bytes,
+            ..Default::default()
+        },
+        high_watermark: 1.0,
+        low_watermark: 1.0,
+        ttl: ClassTtl::none(),
+        ..Default::default()
+    };
+    KvStore::new(cfg, 100).unwrap()
+}
+
+fn put_key(s: &mut KvStore, t: u64, key: u64) -> bool {
+    s.put(Nanos(t), BlockKey(key), 100, TrafficClass::Chat)
+}
+
+fn held(s: &KvStore, keys: &[u64]) -> Vec<u64> {
+    keys.iter().copied().filter(|&k| s.holds(BlockKey(k))).collect()
+}
+
+/// 2 + 1 coding over 6 nodes: an object starting at s sits on s, s+1, s+2 (mod 6), 50 bytes
+/// a node; a node holds 100 bytes (two shards). Keys are their own start nodes mod 6.
+/// A(0) on 0,1,2; B(3) on 3,4,5; C(1) on 1,2,3; D(4) on 4,5,0: every node is full. Writing
+/// E(2) on 2,3,4, by hand:
+/// node 2 holds A, C (full): its GC evicts its oldest, A; node 3 holds B, C: evicts B; node 4
+/// then holds D only. Kept: C, D, E. A global LRU of the same four blocks would evict only A.
+#[test]
+fn per_node_gc_evicts_the_full_nodes_oldest() {
+    let mut s = per_node(6, 2, 1, 100);
+    for (t, k) in [0, 3, 1, 4].into_iter().enumerate() {
+        assert!(put_key(&mut s, t as u64, k));
+    }
+    assert_eq!(s.node_bytes(), &[100; 6], "every node holds two shards");
+    assert!(put_key(&mut s, 10, 2));
+    assert_eq!(held(&s, &[0, 1, 2, 3, 4]), vec![1, 2, 4]);
+    assert_eq!(s.stats().evictions, 2);
+    s.check_invariants().unwrap();
+    // The same writes with B touched before E: node 2 evicts A, node 3 now C (B is newer),
+    // and node 4 (B, D) its oldest, D. Kept: B, E.
+    let mut s = per_node(6, 2, 1, 100);
+    for (t, k) in [0, 3, 1, 4].into_iter().enumerate() {
+        put_key(&mut s, t as u64, k);
+    }
+    assert!(!put_key(&mut s, 5, 3), "a touch, not a write");
+    assert!(put_key(&mut s, 10, 2));
+    assert_eq!(held(&s, &[0, 1, 2, 3, 4]), vec![2, 3]);
+    assert_eq!(s.stats().evictions, 3);
+    s.check_invariants().unwrap();
+}
+
+/// 10 + 2 over 15 nodes, blocks 0..30 (start = key mod 15). Nodes 5 and 6 down: every group
+/// still decodes. Node 7 too: the groups holding 5, 6 and 7 (starts 11..=14 and 0..=5, by hand)
+/// lose their objects: 2 blocks each, 20 blocks, 2,000 bytes. Their writes are refused until a
+/// repaired node is rebuilt; the rebuild of node 7 covers the surviving groups it belongs to
+/// (starts 6 and 7: blocks 6, 7, 21, 22 → 4 shards of 10 bytes).
+#[test]
+fn three_down_loses_exactly_these_blocks() {
+    let cfg = StoreConfig {
+        storage_nodes: 15,
+        ttl: ClassTtl::none(),
+        ..Default::default()
+    };
+    let mut s = KvStore::new(cfg, 100).unwrap();
+    for k in 0..30 {
+        put_key(&mut s, 1, k);
+    }
+    let before = s.change_generation();
+    for n in [5, 6] {
+        let c = s.fail_node(Nanos(2), StorageNodeId(n));
+        assert!(c.changed && c.groups_lost == 0 && c.objects_lost == 0);
+    }
+    assert_eq!(s.nodes().unavailable_in(5), 2, "group 5 holds nodes 5 and 6");
+    assert!(s.is_readable(BlockKey(0)));
+    let c = s.fail_node(Nanos(3), StorageNodeId(7));
+    assert_eq!((c.groups_lost, c.objects_lost, c.bytes_lost), (10, 20, 2000));
+    let all: Vec<u64> = (0..30).collect();
+    assert_eq!(held(&s, &all), vec![6, 7, 8, 9, 10, 21, 22, 23, 24, 25]);
+    assert_eq!(s.cluster_stats().lost_bytes, 2000);
+    assert_eq!(s.change_generation(), before + 20, "the session memos see the loss");
+    assert!(!s.fail_node(Nanos(3), StorageNodeId(7)).changed, "already down");
+    assert!(!put_key(&mut s, 4, 45), "group 0 lost its objects");
+    assert_eq!(s.cluster_stats().writes_refused, 1);
+    assert!(put_key(&mut s, 4, 36), "group 6 survives with two nodes down");
+    s.check_invariants().unwrap();
+    let plan = s.repair_node(Nanos(5), StorageNodeId(7)).unwrap();
+    assert_eq!(plan.bytes, 50, "blocks 6, 7, 21, 22, 36");
+    assert_eq!(plan.groups, vec![(7, 20), (6, 30)]);
+    assert!(s.repair_node(Nanos(5), StorageNodeId(7)).is_none());
+    assert!(!put_key(&mut s, 6, 45), "rebuilding: still lost");
+    assert!(s.node_rebuilt(Nanos(7), StorageNodeId(7)));
+    assert!(!s.nodes().any_lost());
+    assert!(put_key(&mut s, 8, 45), "two down again: writable");
+    s.check_invariants().unwrap();
+}
+
+/// A write charges its share to every node of its group that is not down, drained once.
+#[test]
+fn node_writes_are_drained_once_and_skip_down_nodes() {
+    let cfg = StoreConfig {
+        storage_nodes: 13,
+        ..Default::default()
+    };
+    let mut s = KvStore::new(cfg, 100).unwrap();
+    put_key(&mut s, 1, 3);
+    let mut got = Vec::new();
+    s.drain_node_writes(|n, b| got.push((n.0, b)));
+    let want: Vec<(u32, u64)> = (3..15).map(|n| (n % 13, 10)).collect();
+    assert_eq!(got, want);
+    got.clear();
+    s.drain_node_writes(|n, b| got.push((n.0, b)));
+    assert!(got.is_empty());
+    s.fail_node(Nanos(2), StorageNodeId(5));
+    put_key(&mut s, 3, 16); // start 3 again
+    put_key(&mut s, 3, 3); // a touch writes nothing
+    s.drain_node_writes(|n, b| got.push((n.0, b)));
+    assert_eq!(got.len(), 11);
+    assert!(got.iter().all(|&(n, b)| n != 5 && b == 10));
+    assert_eq!(s.cluster_stats().physical_bytes_written, 230);
+}
+
+/// Every bad failure key is an error naming the field.
+#[test]
+fn bad_failure_schedules_name_the_field() {
+    let fail = |node: Option<u32>, nodes: Vec<u32>, at: u64, repair: Option<u64>| {
+        ScheduledFailure {
+            node,
+            nodes,
+            at: Nanos::from_secs(at),
+            repair_at: repair.map(Nanos::from_secs),
+        }
+    };
+    let err = |f: &dyn Fn(&mut StoreConfig)| {
+        let mut c = StoreConfig {
+            storage_nodes: 20,
+            ..Default::default()
+        };
+        f(&mut c);
+        c.validate(100).unwrap_err().to_string()
+    };
+    let cases: Vec<(Box<dyn Fn(&mut StoreConfig)>, &str)> = vec![
+        (
+            Box::new(|c| c.failures = vec![fail(Some(1), vec![], 10, None), fail(Some(20), vec![], 5, None)]),
+            "store.failures[1].node",
+        ),
+        (
+            Box::new(|c| c.failures = vec![fail(None, vec![3, 40], 10, None)]),
+            "store.failures[0].nodes[1]",
+        ),
+        (
+            Box::new(|c| c.failures = vec![fail(Some(2), vec![], 10, Some(5))]),
+            "store.failures[0].repair_at",
+        ),
+        (
+            Box::new(|c| c.failures = vec![fail(None, (0..21).collect(), 10, None)]),
+            "store.failures[0].nodes",
+        ),
+        (
+            Box::new(|c| c.failures = vec![fail(None, vec![4, 4], 10, None)]),
+            "store.failures[0].nodes[1]",
+        ),
+        (
+            Box::new(|c| c.failures = vec![fail(None, vec![], 10, None)]),
+            "store.failures[0].nodes",
+        ),
+        (
+            Box::new(|c| {
+                c.failures = vec![fail(Some(4), vec![], 10, Some(30)), fail(Some(4), vec![], 20, None)]
+            }),
+            "store.failures[1].at",
+        ),
+        (Box::new(|c| c.storage_nodes = 0), "store.storage_nodes"),
+        (
+            Box::new(|c| {
+                c.random_failures = Some(RandomFailures {
+                    mtbf: Nanos::from_secs(3600),
+                    mttr: Nanos::ZERO,
+                })
+            }),
+            "store.random_failures.mttr",
+        ),
+        (Box::new(|c| c.node.write_bytes_per_s = 0.0), "store.node.write_bytes_per_s"),
+        (Box::new(|c| c.node.ssds = 0), "store.node.ssds"),
+        (Box::new(|c| c.rebuild.chunk_bytes = 0), "store.rebuild.chunk_bytes"),
+        (
+            Box::new(|c| {
+                c.gc = GcPolicy::PerNodeLru;
+                c.capacity_bytes = Some(1 << 30);
+            }),
+            "store.capacity_bytes",
+        ),
+    ];
+    for (f, field) in &cases {
+        let e = err(f.as_ref());
+        assert!(e.contains(&format!("`{field}`")), "{field}: {e}");
+    }
+    // A failure after the repair of the same node is fine, and so is a failure of its own.
+    let mut c = StoreConfig {
+        storage_nodes: 20,
+        ..Default::default()
+    };
+    c.failures = vec![fail(Some(4), vec![], 10, Some(20)), fail(Some(4), vec![], 20, None)];
+    c.validate(100).unwrap();
+    let parsed: StoreConfig = toml::from_str(
+        "gc = \"per-node-lru\"\n[[failures]]\nnodes = [1, 2]\nat = \"5min\"\nrepair_at = \"1h\"\n\
+         [random_failures]\nmtbf = \"30d\"\nmttr = \"2h\"\n",
+    )
+    .unwrap();
+    assert_eq!(parsed.failures[0].failed_nodes(), vec![1, 2]);
+    assert_eq!(parsed.gc, GcPolicy::PerNodeLru);
+    parsed.validate(113_920).unwrap();
+    assert!(toml::from_str::<StoreConfig>("[[failures]]\nnode = 1\nat = \"1s\"\nrepiar_at = \"2s\"\n").is_err());
+}
+
+proptest! {
+    /// Under writes, touches, node failures, repairs and rebuilds, with either GC: nothing is
+    /// stored over a node's capacity or in a group that lost its objects, lookups find only
+    /// what is held, and every structure agrees with its counters.
+    #[test]
+    fn failures_and_gc_keep_the_invariants(
+        ops in proptest::collection::vec((0u8..8, 0u64..40, 1u64..20), 1..200),
+        per in any::<bool>(),
+    ) {
+        let mut s = if per {
+            per_node(14, 10, 2, 60)
+        } else {
+            let cfg = StoreConfig {
+                storage_nodes: 14,
+                capacity_bytes: Some(2_000),
+                ttl: ClassTtl::uniform(Some(Nanos(300))),
+                ..Default::default()
+            };
+            KvStore::new(cfg, 100).unwrap()
+        };
+        let mut now = 0;
+        for (op, x, dt) in ops {
+            now += dt;
+            let node = StorageNodeId((x % 14) as u32);
+            match op {
+                0 => { s.fail_node(Nanos(now), node); }
+                1 => { s.repair_node(Nanos(now), node); }
+                2 => { s.node_rebuilt(Nanos(now), node); }
+                _ => {
+                    let ks: Vec<BlockKey> = (x..x + 5).map(BlockKey).collect();
+                    let lost = |s: &KvStore, k: BlockKey| !s.is_readable(k);
+                    let refused = s.cluster_stats().writes_refused;
+                    let would_refuse = ks.iter().filter(|&&k| lost(&s, k)).count() as u64;
+                    s.touch_or_insert(Nanos(now), &ks, TrafficClass::Agent);
+                    prop_assert_eq!(s.cluster_stats().writes_refused, refused + would_refuse);
+                    let run = s.lookup_prefix(Nanos(now), &ks);
+                    prop_assert!(ks[..run].iter().all(|&k| s.holds(k) && s.is_readable(k)));
+                }
+            }
+            if let Some(cap) = s.node_capacity_bytes() {
+                prop_assert!(s.node_bytes().iter().all(|&b| b <= cap));
+            }
+            s.check_light().map_err(TestCaseError::fail)?;
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+    }
+}
