@@ -379,7 +379,10 @@ fn put_key(s: &mut KvStore, t: u64, key: u64) -> bool {
 }
 
 fn held(s: &KvStore, keys: &[u64]) -> Vec<u64> {
-    keys.iter().copied().filter(|&k| s.holds(BlockKey(k))).collect()
+    keys.iter()
+        .copied()
+        .filter(|&k| s.holds(BlockKey(k)))
+        .collect()
 }
 
 /// 2 + 1 coding over 6 nodes: an object starting at s sits on s, s+1, s+2 (mod 6), 50 bytes
@@ -433,18 +436,35 @@ fn three_down_loses_exactly_these_blocks() {
         let c = s.fail_node(Nanos(2), StorageNodeId(n));
         assert!(c.changed && c.groups_lost == 0 && c.objects_lost == 0);
     }
-    assert_eq!(s.nodes().unavailable_in(5), 2, "group 5 holds nodes 5 and 6");
+    assert_eq!(
+        s.nodes().unavailable_in(5),
+        2,
+        "group 5 holds nodes 5 and 6"
+    );
     assert!(s.is_readable(BlockKey(0)));
     let c = s.fail_node(Nanos(3), StorageNodeId(7));
-    assert_eq!((c.groups_lost, c.objects_lost, c.bytes_lost), (10, 20, 2000));
+    assert_eq!(
+        (c.groups_lost, c.objects_lost, c.bytes_lost),
+        (10, 20, 2000)
+    );
     let all: Vec<u64> = (0..30).collect();
     assert_eq!(held(&s, &all), vec![6, 7, 8, 9, 10, 21, 22, 23, 24, 25]);
     assert_eq!(s.cluster_stats().lost_bytes, 2000);
-    assert_eq!(s.change_generation(), before + 20, "the session memos see the loss");
-    assert!(!s.fail_node(Nanos(3), StorageNodeId(7)).changed, "already down");
+    assert_eq!(
+        s.change_generation(),
+        before + 20,
+        "the session memos see the loss"
+    );
+    assert!(
+        !s.fail_node(Nanos(3), StorageNodeId(7)).changed,
+        "already down"
+    );
     assert!(!put_key(&mut s, 4, 45), "group 0 lost its objects");
     assert_eq!(s.cluster_stats().writes_refused, 1);
-    assert!(put_key(&mut s, 4, 36), "group 6 survives with two nodes down");
+    assert!(
+        put_key(&mut s, 4, 36),
+        "group 6 survives with two nodes down"
+    );
     s.check_invariants().unwrap();
     let plan = s.repair_node(Nanos(5), StorageNodeId(7)).unwrap();
     assert_eq!(plan.bytes, 50, "blocks 6, 7, 21, 22, 36");
@@ -485,14 +505,13 @@ fn node_writes_are_drained_once_and_skip_down_nodes() {
 /// Every bad failure key is an error naming the field.
 #[test]
 fn bad_failure_schedules_name_the_field() {
-    let fail = |node: Option<u32>, nodes: Vec<u32>, at: u64, repair: Option<u64>| {
-        ScheduledFailure {
+    let fail =
+        |node: Option<u32>, nodes: Vec<u32>, at: u64, repair: Option<u64>| ScheduledFailure {
             node,
             nodes,
             at: Nanos::from_secs(at),
             repair_at: repair.map(Nanos::from_secs),
-        }
-    };
+        };
     let err = |f: &dyn Fn(&mut StoreConfig)| {
         let mut c = StoreConfig {
             storage_nodes: 20,
@@ -503,7 +522,12 @@ fn bad_failure_schedules_name_the_field() {
     };
     let cases: Vec<(Box<dyn Fn(&mut StoreConfig)>, &str)> = vec![
         (
-            Box::new(|c| c.failures = vec![fail(Some(1), vec![], 10, None), fail(Some(20), vec![], 5, None)]),
+            Box::new(|c| {
+                c.failures = vec![
+                    fail(Some(1), vec![], 10, None),
+                    fail(Some(20), vec![], 5, None),
+                ]
+            }),
             "store.failures[1].node",
         ),
         (
@@ -528,7 +552,10 @@ fn bad_failure_schedules_name_the_field() {
         ),
         (
             Box::new(|c| {
-                c.failures = vec![fail(Some(4), vec![], 10, Some(30)), fail(Some(4), vec![], 20, None)]
+                c.failures = vec![
+                    fail(Some(4), vec![], 10, Some(30)),
+                    fail(Some(4), vec![], 20, None),
+                ]
             }),
             "store.failures[1].at",
         ),
@@ -542,9 +569,15 @@ fn bad_failure_schedules_name_the_field() {
             }),
             "store.random_failures.mttr",
         ),
-        (Box::new(|c| c.node.write_bytes_per_s = 0.0), "store.node.write_bytes_per_s"),
+        (
+            Box::new(|c| c.node.write_bytes_per_s = 0.0),
+            "store.node.write_bytes_per_s",
+        ),
         (Box::new(|c| c.node.ssds = 0), "store.node.ssds"),
-        (Box::new(|c| c.rebuild.chunk_bytes = 0), "store.rebuild.chunk_bytes"),
+        (
+            Box::new(|c| c.rebuild.chunk_bytes = 0),
+            "store.rebuild.chunk_bytes",
+        ),
         (
             Box::new(|c| {
                 c.gc = GcPolicy::PerNodeLru;
@@ -562,7 +595,10 @@ fn bad_failure_schedules_name_the_field() {
         storage_nodes: 20,
         ..Default::default()
     };
-    c.failures = vec![fail(Some(4), vec![], 10, Some(20)), fail(Some(4), vec![], 20, None)];
+    c.failures = vec![
+        fail(Some(4), vec![], 10, Some(20)),
+        fail(Some(4), vec![], 20, None),
+    ];
     c.validate(100).unwrap();
     let parsed: StoreConfig = toml::from_str(
         "gc = \"per-node-lru\"\n[[failures]]\nnodes = [1, 2]\nat = \"5min\"\nrepair_at = \"1h\"\n\
@@ -572,7 +608,10 @@ fn bad_failure_schedules_name_the_field() {
     assert_eq!(parsed.failures[0].failed_nodes(), vec![1, 2]);
     assert_eq!(parsed.gc, GcPolicy::PerNodeLru);
     parsed.validate(113_920).unwrap();
-    assert!(toml::from_str::<StoreConfig>("[[failures]]\nnode = 1\nat = \"1s\"\nrepiar_at = \"2s\"\n").is_err());
+    assert!(
+        toml::from_str::<StoreConfig>("[[failures]]\nnode = 1\nat = \"1s\"\nrepiar_at = \"2s\"\n")
+            .is_err()
+    );
 }
 
 proptest! {
