@@ -304,6 +304,9 @@ impl Part for StorageFaults {
     }
 }
 
+/// An invariant of another part of the system, checked between events.
+pub type ExtraCheck = Box<dyn FnMut(&ServingUnit<'_>, &SharedCache) -> Result<(), String>>;
+
 /// Checks the invariants after every event; the first violation is kept.
 pub struct Checker {
     /// Per request: 0 not arrived, 1 pending, 2 ended.
@@ -321,7 +324,7 @@ pub struct Checker {
     /// The full store check (linear in the objects) runs every this many inputs.
     pub full_every: u64,
     /// More invariants, checked after every input.
-    pub extra: Vec<Box<dyn FnMut(&ServingUnit<'_>, &SharedCache) -> Result<(), String>>>,
+    pub extra: Vec<ExtraCheck>,
     pub violation: Option<String>,
 }
 
@@ -384,18 +387,18 @@ impl Checker {
         sh: &SharedCache,
     ) {
         let admitted = self.arrived_at[i as usize];
-        if admitted >= self.last_loss_input {
-            if let Some(k) = blocks.iter().find(|&&k| !sh.store.is_readable(k)) {
-                let g = sh.store.start_of(*k);
-                self.violate(
-                    now,
-                    format!(
-                        "request {i}'s hit, decided at input {admitted} (latest group loss before \
-                         input {}), reads block {k:?} of group {g}, which lost its objects",
-                        self.last_loss_input
-                    ),
-                );
-            }
+        if admitted >= self.last_loss_input
+            && let Some(k) = blocks.iter().find(|&&k| !sh.store.is_readable(k))
+        {
+            let g = sh.store.start_of(*k);
+            self.violate(
+                now,
+                format!(
+                    "request {i}'s hit, decided at input {admitted} (latest group loss before \
+                     input {}), reads block {k:?} of group {g}, which lost its objects",
+                    self.last_loss_input
+                ),
+            );
         }
     }
 
@@ -479,11 +482,12 @@ impl Checker {
                 st.lost_bytes
             ));
         }
-        if let Some(r) = st
-            .rebuilds
-            .iter()
-            .find(|r| r.outcome == "done" && !(r.finished_s >= r.started_s))
-        {
+        if let Some(r) = st.rebuilds.iter().find(|r| {
+            r.outcome == "done"
+                && r.finished_s
+                    .partial_cmp(&r.started_s)
+                    .is_none_or(|o| o.is_lt())
+        }) {
             return Err(format!(
                 "rebuild of node {} finished before it started",
                 r.node

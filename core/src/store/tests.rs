@@ -520,7 +520,8 @@ fn bad_failure_schedules_name_the_field() {
         f(&mut c);
         c.validate(100).unwrap_err().to_string()
     };
-    let cases: Vec<(Box<dyn Fn(&mut StoreConfig)>, &str)> = vec![
+    type Edit<'a> = Box<dyn Fn(&mut StoreConfig) + 'a>;
+    let cases: Vec<(Edit, &str)> = vec![
         (
             Box::new(|c| {
                 c.failures = vec![
