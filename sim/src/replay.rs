@@ -11,7 +11,6 @@
 //! SWA-on-SSD, whose SWA objects occupy the store: it gets a pass of its own.
 
 use serde::{Deserialize, Serialize};
-use servelab_core::content::hash2;
 use servelab_core::hit::baseline_layer_tokens;
 use servelab_core::{
     BlockKey, ConfigError, HitInputs, HitPolicy, KvStore, MachineId, Nanos, PerfectCache, Request,
@@ -21,9 +20,6 @@ use servelab_core::{
 use servelab_workloads::Trace;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
-
-/// Distinguishes an SWA-state object in the store from the block with the same prefix key.
-const SWA_OBJECT_TAG: u64 = 0x53a5_7a7f;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -231,8 +227,9 @@ impl<'a> Pass<'a> {
         MachineId((req.id.0 % u64::from(self.cfg.swa.machines)) as u32)
     }
 
+    /// The serving unit's key of an SWA-state object (one key function for every driver).
     fn swa_object(key: BlockKey) -> BlockKey {
-        BlockKey(hash2(key.0, SWA_OBJECT_TAG))
+        servelab_core::unit::swa_object_key(key)
     }
 
     /// Stores SWA state for `req`'s prefix ending at the last block boundary ≤ `end`.

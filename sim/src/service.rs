@@ -90,6 +90,19 @@ pub enum Arrivals {
     },
 }
 
+/// Which GPUs the unit's devices (prefill engines, decode groups) run on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Placement {
+    /// Every device on GPUs of its own, as in production: steps of different devices overlap.
+    #[default]
+    OwnGpus,
+    /// Every device shares one GPU, as the GPU engine runs a whole unit on one H200: steps run
+    /// one at a time in launch order, each from the later of its planned start and the end of
+    /// the step launched before it.
+    OneGpu,
+}
+
 /// Where the MoE part of a step's time comes from.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
@@ -126,6 +139,7 @@ pub struct ServiceConfig {
     pub acceptance: AcceptanceModel,
     pub moe: MoeImbalance,
     pub arrivals: Arrivals,
+    pub placement: Placement,
     /// Requests arriving before this are simulated but not measured.
     pub warmup: Nanos,
     /// End of the measured window (default: the last arrival). Requests arriving after it, and
@@ -158,6 +172,7 @@ impl Default for ServiceConfig {
             acceptance: AcceptanceModel::default(),
             moe: MoeImbalance::Fixed,
             arrivals: Arrivals::OpenLoop,
+            placement: Placement::OwnGpus,
             warmup: Nanos::from_secs(60),
             measure_until: None,
             series_interval: Nanos::from_secs(10),

@@ -211,3 +211,29 @@ fn golden_second_turn_hits() {
     assert_eq!(second.hit_tokens, 10_240);
     assert_eq!(second.outcome, "completed");
 }
+
+/// With every device on one GPU, steps never overlap: the devices' busy fractions add up to at
+/// most the whole run; on GPUs of their own the same unit and workload keep several busy at once.
+#[test]
+fn one_gpu_placement_serialises_the_devices_steps() {
+    use servelab_sim::service::Placement;
+    let mut trace = generate(&workload(), 7, 128).unwrap();
+    // Ten times the arrival rate, so that devices have work at the same time.
+    for r in &mut trace.requests {
+        r.arrival = Nanos(r.arrival.0 / 10);
+    }
+    let busy = |placement| {
+        let mut c = small_unit();
+        c.placement = placement;
+        let rep = run(&c, &trace.requests, 7).unwrap();
+        assert_eq!(rep.completed, rep.arrivals, "{placement:?}");
+        rep.engines.iter().map(|e| e.busy_fraction).sum::<f64>()
+    };
+    let own = busy(Placement::OwnGpus);
+    let one = busy(Placement::OneGpu);
+    assert!(one <= 1.0 + 1e-9, "one GPU busy {one}");
+    assert!(
+        own > 1.0,
+        "own GPUs busy {own}: the workload must keep devices busy at once"
+    );
+}

@@ -16,7 +16,8 @@ use crate::error::ConfigError;
 use crate::ids::{EngineId, RequestId};
 use crate::time::Nanos;
 use crate::unit::config::PrefillPoolConfig;
-use std::collections::HashMap;
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, HashMap};
 
 /// Where a submitted request went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,8 +42,11 @@ pub struct PrefillPool {
     /// Jobs built at arrival, waiting for an engine.
     waiting: HashMap<u64, PrefillJob, KeyBuildHasher>,
     loads: Vec<f64>,
-    /// Engines that found nothing to pull in the current [`Self::next_puller`] pass.
-    dry: Vec<bool>,
+    /// The engines that may still pull in the current pass, in pull order. An engine that
+    /// found nothing is dropped for the rest of the pass; the one that last pulled is put back
+    /// with its new key at the next [`Self::next_pull`] (only its own state changed).
+    pass: BinaryHeap<Reverse<PullKey>>,
+    last_pulled: Option<usize>,
     cost: PrefillCostModel,
     imbalance: f64,
     least_loaded: bool,
@@ -82,7 +86,8 @@ impl PrefillPool {
             started: vec![Nanos::ZERO; n],
             waiting: HashMap::default(),
             loads: vec![0.0; n],
-            dry: vec![false; n],
+            pass: BinaryHeap::with_capacity(n),
+            last_pulled: None,
             cost: cost.clone(),
             imbalance: cfg.expert_imbalance,
             least_loaded: matches!(cfg.lb, PrefillLbPolicy::LeastLoaded),
@@ -179,38 +184,42 @@ impl PrefillPool {
         self.engines[e].set_ready(RequestId(i));
     }
 
-    /// Starts a pull pass: every engine may be asked again.
+    /// Starts a pull pass: every engine with room may be asked again.
     pub fn begin_pulls(&mut self) -> bool {
         if !self.lb.pulls() || self.lb.queued() == 0 {
             return false;
         }
-        self.dry.fill(false);
+        self.pass.clear();
+        self.last_pulled = None;
+        for e in 0..self.engines.len() {
+            self.push_candidate(e);
+        }
         true
+    }
+
+    fn push_candidate(&mut self, e: usize) {
+        let eng = &self.engines[e];
+        if eng.has_room() {
+            self.pass.push(Reverse(PullKey {
+                busy: eng.busy(),
+                // `+ 0.0` makes an empty engine's −0.0 sum equal to +0.0 under total order.
+                load_ns: eng.remaining_ns() + 0.0,
+                engine: e,
+            }));
+        }
     }
 
     /// The next engine to pull (idle first, then the most quota left, then index) and the
     /// request it gets; None when nothing more can be pulled in this pass.
     pub fn next_pull(&mut self, now: Nanos) -> Option<(usize, QueuedPrefill)> {
+        if let Some(e) = self.last_pulled.take() {
+            self.push_candidate(e);
+        }
         while self.lb.queued() > 0 {
-            let mut best: Option<(bool, f64, usize)> = None;
-            for (e, eng) in self.engines.iter().enumerate() {
-                if self.dry[e] || !eng.has_room() {
-                    continue;
-                }
-                let key = (eng.busy(), eng.remaining_ns(), e);
-                // Strictly better only: engines are visited in index order, so ties keep the
-                // lower index.
-                let better = best.is_none_or(|(busy, load, _)| {
-                    (!key.0 && busy) || (key.0 == busy && key.1 < load)
-                });
-                if better {
-                    best = Some(key);
-                }
-            }
-            let (_, load, e) = best?;
-            match self.lb.pull(now, EngineId(e as u32), load) {
-                Some(q) => return Some((e, q)),
-                None => self.dry[e] = true,
+            let Reverse(k) = self.pass.pop()?;
+            if let Some(q) = self.lb.pull(now, EngineId(k.engine as u32), k.load_ns) {
+                self.last_pulled = Some(k.engine);
+                return Some((k.engine, q));
             }
         }
         None
@@ -279,3 +288,32 @@ impl PrefillPool {
         }
     }
 }
+
+/// An engine's place in a pull pass: idle before busy, then the least queued compute (the most
+/// quota left), then the lower index.
+#[derive(Clone, Copy, Debug)]
+struct PullKey {
+    busy: bool,
+    load_ns: f64,
+    engine: usize,
+}
+
+impl Ord for PullKey {
+    fn cmp(&self, o: &Self) -> Ordering {
+        self.busy
+            .cmp(&o.busy)
+            .then(self.load_ns.total_cmp(&o.load_ns))
+            .then(self.engine.cmp(&o.engine))
+    }
+}
+impl PartialOrd for PullKey {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl PartialEq for PullKey {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for PullKey {}

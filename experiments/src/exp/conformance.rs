@@ -7,9 +7,9 @@
 //!    profile predicts each recorded plan (decode at the drafts the GPU verified).
 //! 3. Latency: the unit's report of the GPU run against the unit's report of two simulator
 //!    runs of the same config and workload: the simulator's environment
-//!    (`servelab_sim::service`, `VirtualEnv`: every device of the unit its own GPU, as the
-//!    `service` and `plan` experiments run it), and the GPU environment on the virtual clock
-//!    with the cost model as its device (the devices share one GPU, as on the H200).
+//!    (`servelab_sim::service`, `VirtualEnv` with `placement = one-gpu`: the devices share one
+//!    GPU, as on the H200), and the GPU environment on the virtual clock with the cost model as
+//!    its device.
 
 use serde::Serialize;
 use servelab_core::Nanos;
@@ -22,7 +22,7 @@ use servelab_hw::conformance::{
 use servelab_hw::env::{RecordedStep, RunOutcome, request_outcomes};
 use servelab_sim::acceptance::AcceptanceModel;
 use servelab_sim::cost::{CostModel, SwapIn};
-use servelab_sim::service::{FetchConfig, LinkConfig, MoeImbalance, ServiceConfig};
+use servelab_sim::service::{FetchConfig, LinkConfig, MoeImbalance, Placement, ServiceConfig};
 
 /// Targets of issue 6 item 5 and issue 15 item 3.
 pub const STEP_ERROR_MEDIAN_TARGET: f64 = 0.05;
@@ -77,6 +77,8 @@ pub fn service_config(
         acceptance: matched_acceptance(file),
         moe: MoeImbalance::Fixed,
         arrivals: Default::default(),
+        // The GPU engine runs every device of the unit on the one GPU.
+        placement: Placement::OneGpu,
         warmup: unit.warmup,
         measure_until: unit.measure_until,
         series_interval: unit.series_interval,
@@ -297,7 +299,7 @@ fn simulate(
     let mut sim = gpu.clone();
     sim.requests = request_outcomes(reqs, &report.requests);
     let service = SimRun {
-        environment: "simulator (VirtualEnv: one GPU per device)",
+        environment: "simulator (VirtualEnv, the devices on one GPU)",
         run_ms: report.simulated_s * 1e3,
         completed: report.completed,
         rejected: report.rejected_total(),

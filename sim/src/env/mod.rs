@@ -10,7 +10,7 @@ pub mod storage;
 
 use crate::cost::CostModel;
 use crate::events::EventQueue;
-use crate::service::ServiceConfig;
+use crate::service::{Placement, ServiceConfig};
 use arrivals::ArrivalSource;
 use links::Links;
 use moe::MoeSkew;
@@ -32,6 +32,8 @@ pub struct VirtualEnv {
     block_tokens: u32,
     swa_state_bytes: u64,
     arrivals: ArrivalSource,
+    /// With [`Placement::OneGpu`], when the one GPU is free again (`None`: own GPUs).
+    one_gpu_free_at: Option<Nanos>,
 }
 
 impl VirtualEnv {
@@ -62,6 +64,7 @@ impl VirtualEnv {
             block_tokens: c.block_tokens,
             swa_state_bytes: c.swa_state_bytes(),
             arrivals,
+            one_gpu_free_at: (cfg.placement == Placement::OneGpu).then_some(Nanos::ZERO),
         })
     }
 
@@ -83,9 +86,17 @@ impl VirtualEnv {
     fn launch(&mut self, device: DeviceId, start: Nanos, unit: &mut ServingUnit<'_>) {
         let (plan, report) = unit.launch_mut(device);
         let extra = self.moe.decorate(start, device, plan);
-        self.backend.execute(start, plan, report);
+        let begin = self.one_gpu_free_at.map_or(start, |free| start.max(free));
+        self.backend.execute(begin, plan, report);
         report.duration += extra;
-        let end = start + report.duration;
+        let end = match &mut self.one_gpu_free_at {
+            None => start + report.duration,
+            // As the GPU engine does: a step always moves the shared device's time forward.
+            Some(free) => {
+                *free = begin + report.duration.max(Nanos(1));
+                *free
+            }
+        };
         self.queue.push(end, Input::StepDone(device));
     }
 
