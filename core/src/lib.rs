@@ -28,6 +28,6 @@ pub use hit::{HitDecision, HitInputs, HitPolicy, HitReason, SwaSource};
 pub use ids::{EngineId, MachineId, RequestId, SessionId, StorageNodeId};
 pub use perfect::PerfectCache;
 pub use request::{Request, TrafficClass};
-pub use store::{ClassTtl, KvStore, StoreConfig, StoreStats, TtlFrom};
+pub use store::{ClassTtl, GcPolicy, KvStore, StoreConfig, StoreStats, TtlFrom};
 pub use swa::{SwaCache, SwaConfig, SwaStats};
 pub use time::{Nanos, parse_duration};

@@ -48,10 +48,29 @@ impl Default for ReplayConfig {
     }
 }
 
+/// The replays have no storage nodes to fail: a failure schedule would be ignored, so it is an
+/// error (the service simulator applies it).
+fn no_node_failures(store: &StoreConfig) -> Result<(), ConfigError> {
+    if store.has_failures() {
+        let field = if store.failures.is_empty() {
+            "store.random_failures"
+        } else {
+            "store.failures"
+        };
+        return Err(ConfigError::invalid(
+            field,
+            "the trace-level replay models no storage nodes; node failures need the service \
+             simulator",
+        ));
+    }
+    Ok(())
+}
+
 impl ReplayConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.constants.validate()?;
         self.store.validate(self.constants.block_bytes())?;
+        no_node_failures(&self.store)?;
         self.swa.validate()?;
         if !(self.ttft_s.is_finite() && self.ttft_s >= 0.0) {
             return Err(ConfigError::invalid("timing.ttft_s", "must be >= 0"));
@@ -348,6 +367,7 @@ pub fn block_replay(
     cache_outputs: bool,
 ) -> Result<BlockReplayReport, ConfigError> {
     let mut store = KvStore::new(store_cfg.clone(), block_bytes)?;
+    no_node_failures(store_cfg)?;
     let mut rep = BlockReplayReport::default();
     let mut keys: Vec<BlockKey> = Vec::new();
     for req in &trace.requests {

@@ -14,7 +14,7 @@ use crate::env::VirtualEnv;
 use crate::profile::{HardwareProfile, ProfileFiles};
 use serde::{Deserialize, Serialize};
 use servelab_core::eplb::ExpertLoadConfig;
-use servelab_core::unit::drive::NoObserver;
+use servelab_core::unit::drive::{NoObserver, Observer};
 use servelab_core::unit::{RunError, ServingUnit, SharedCache, UnitConfig};
 use servelab_core::{
     ConfigError, HitPolicy, Nanos, Request, ServingConstants, StoreConfig, SwaConfig,
@@ -311,6 +311,18 @@ pub fn run_with_profile(
     requests: &[Request],
     seed: u64,
 ) -> Result<ServiceReport, ServiceError> {
+    run_observed(cfg, profile, requests, seed, &mut NoObserver)
+}
+
+/// [`run_with_profile`] with an observer that sees every input and output and the unit and
+/// caches after each input (checkers, recorders).
+pub fn run_observed<O: Observer>(
+    cfg: &ServiceConfig,
+    profile: HardwareProfile,
+    requests: &[Request],
+    seed: u64,
+    observer: &mut O,
+) -> Result<ServiceReport, ServiceError> {
     cfg.validate_environment()?;
     if let Some(r) = requests.windows(2).find(|w| w[1].arrival < w[0].arrival) {
         return Err(ConfigError::invalid(
@@ -337,9 +349,10 @@ pub fn run_with_profile(
         seed,
     );
     let mut env = VirtualEnv::new(cfg, backend, requests, seed)?;
-    servelab_core::unit::run(&mut unit, &mut shared, &mut env, &mut NoObserver)?;
+    servelab_core::unit::run(&mut unit, &mut shared, &mut env, observer)?;
     let mut report = unit.finish(&shared, env.now(), env.events())?;
     report.moe_reassignments = env.moe().reassignments;
     report.moe_reassignment_s = env.moe().reassignment_ns as f64 / 1e9;
+    report.storage = env.storage_mut().finish(&mut shared.store);
     Ok(report)
 }

@@ -1,1 +1,3 @@
-//! placeholder
+//! Helpers of the cross-crate integration tests.
+
+pub mod swarm;

@@ -58,6 +58,13 @@ pub trait Environment {
         unit: &mut ServingUnit<'_>,
         shared: &SharedCache,
     ) -> Result<(), RunError>;
+    /// Applies what changed outside the unit by `now` to the caches (storage nodes that failed
+    /// or came back, rebuilds that finished, the bytes the last input wrote), before the unit
+    /// handles the input at `now`. Environments without such changes keep the default.
+    #[inline]
+    fn update_shared(&mut self, _now: Nanos, _shared: &mut SharedCache) -> Result<(), RunError> {
+        Ok(())
+    }
 }
 
 /// Sees the run go by; every method has an empty default.
@@ -66,6 +73,10 @@ pub trait Observer {
     fn on_input(&mut self, _now: Nanos, _input: &Input) {}
     #[inline]
     fn on_output(&mut self, _now: Nanos, _output: &Output, _unit: &ServingUnit<'_>) {}
+    /// After the input at `now` and every output it gave were carried out: the unit and the
+    /// caches between two events (where invariant checkers look).
+    #[inline]
+    fn after_input(&mut self, _now: Nanos, _unit: &ServingUnit<'_>, _shared: &SharedCache) {}
 }
 
 /// Observes nothing.
@@ -95,12 +106,14 @@ pub fn run<E: Environment, O: Observer>(
     while let Some((now, input)) = env.next(unit)? {
         end.end = now;
         end.inputs += 1;
+        env.update_shared(now, shared)?;
         observer.on_input(now, &input);
         unit.handle(now, input, shared, &mut outputs);
         for output in outputs.drain(..) {
             observer.on_output(now, &output, unit);
             env.apply(now, output, unit, shared)?;
         }
+        observer.after_input(now, unit, shared);
     }
     Ok(end)
 }

@@ -8,6 +8,7 @@ use crate::unit::config::UnitConfig;
 use crate::unit::io::Rejection;
 use crate::unit::report::{
     EngineRow, Latencies, RejectionCount, RequestRow, SeriesRow, ServiceReport, SteadyState,
+    StorageReport,
 };
 use crate::unit::state::{RequestState, Status};
 
@@ -466,6 +467,7 @@ impl UnitMetrics {
             requests: self.rows,
             series: self.series,
             engines,
+            storage: StorageReport::default(),
         }
     }
 }

@@ -97,6 +97,72 @@ pub struct RejectionCount {
     pub measured: u64,
 }
 
+/// One node failure of the run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct NodeFailureRow {
+    pub node: u32,
+    pub at_s: f64,
+    /// Groups that lost their objects with this failure, and what they held.
+    pub groups_lost: u32,
+    pub lost_objects: u64,
+    pub lost_bytes: u64,
+}
+
+/// One rebuild of a replaced node.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RebuildRow {
+    pub node: u32,
+    pub started_s: f64,
+    /// When the node answered reads again (NaN unless `outcome` is "done").
+    pub finished_s: f64,
+    /// `finished_s − started_s`: the rebuild time.
+    pub duration_s: f64,
+    /// Bytes of the node's shards to rebuild, and those read from the survivors for them.
+    pub bytes: u64,
+    pub read_bytes: u64,
+    /// "done", "aborted" (the node failed again) or "unfinished" (the run ended first).
+    pub outcome: &'static str,
+}
+
+/// The storage cluster over the run (SPEC §7): node failures, objects lost with their groups,
+/// degraded reads, rebuilds and the write path. Filled in by an environment that models the
+/// storage nodes (the simulator); all zero otherwise.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct StorageReport {
+    pub node_failures: u64,
+    pub node_repairs: u64,
+    pub rebuilds_completed: u64,
+    /// Times a group lost its objects (more than `parity` of its nodes unavailable).
+    pub group_losses: u64,
+    pub lost_objects: u64,
+    /// Logical bytes of the objects lost (they are misses from then on).
+    pub lost_bytes: u64,
+    /// Writes refused because their group had lost its objects.
+    pub writes_refused: u64,
+    pub writes_refused_bytes: u64,
+    /// Shard bytes the write-back wrote to the nodes (prefill blocks, replies, SWA objects).
+    pub write_bytes: u64,
+    /// Node time the writes took, summed over the nodes (0 with `store.node.charge_writes`
+    /// off).
+    pub write_busy_s: f64,
+    /// Erasure-coded stripe reads of the hit prefixes.
+    pub stripe_reads: u64,
+    /// Of them, reads of a group with a node unavailable (degraded)…
+    pub degraded_stripe_reads: u64,
+    /// …and those with only `data` nodes left, all of which had to answer (no spare answer to
+    /// hide a tail).
+    pub no_spare_stripe_reads: u64,
+    /// Stripes of hits decided before their group lost its objects and read after: not read,
+    /// the data is gone. The unit still counts their tokens as hits (it cannot re-plan a job
+    /// whose fetch failed), so this bounds the hits it overstates.
+    pub lost_stripe_reads: u64,
+    /// Bytes rebuilt onto replacement nodes, and read from the survivors for them.
+    pub rebuild_bytes: u64,
+    pub rebuild_read_bytes: u64,
+    pub failures: Vec<NodeFailureRow>,
+    pub rebuilds: Vec<RebuildRow>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ServiceReport {
     pub arrivals: u64,
@@ -150,6 +216,8 @@ pub struct ServiceReport {
     pub requests: Vec<RequestRow>,
     pub series: Vec<SeriesRow>,
     pub engines: Vec<EngineRow>,
+    /// The storage cluster: failures, losses, degraded reads, rebuilds, writes.
+    pub storage: StorageReport,
 }
 
 impl ServiceReport {

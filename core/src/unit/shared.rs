@@ -22,11 +22,11 @@ impl SharedCache {
         })
     }
 
-    /// Objects removed from the store so far (evictions + expirations): while it does not
-    /// change, a block found present is still present.
+    /// Changes of the store after which a block once found or written may be missing
+    /// (evictions, expirations, objects lost with their group, refused writes): while it does
+    /// not change, a block found present is still present.
     pub fn generation(&self) -> u64 {
-        let s = self.store.stats();
-        s.evictions + s.expirations
+        self.store.change_generation()
     }
 
     /// Every invariant of the store and the SWA cache.

@@ -19,12 +19,12 @@ use servelab_core::unit::{
     DeviceId, Environment, Input, Output, RunError, ServingUnit, SharedCache,
 };
 use servelab_core::{BlockKey, ConfigError, Nanos};
-use storage::StorageReads;
+use storage::StorageCluster;
 
 pub struct VirtualEnv {
     queue: EventQueue<Input>,
     backend: CostModel,
-    storage: StorageReads,
+    storage: StorageCluster,
     links: Links,
     moe: MoeSkew,
     series_interval: Nanos,
@@ -56,7 +56,7 @@ impl VirtualEnv {
         Ok(VirtualEnv {
             queue,
             backend,
-            storage: StorageReads::new(&cfg.fetch, &cfg.store, seed),
+            storage: StorageCluster::new(&cfg.fetch, &cfg.store, seed),
             links: Links::new(&cfg.links, prefill_machines),
             moe: MoeSkew::new(&cfg.moe, cfg.prefill.gpus, cfg.decode.groups, seed)?,
             series_interval: cfg.series_interval,
@@ -77,6 +77,10 @@ impl VirtualEnv {
     }
     pub fn moe(&self) -> &MoeSkew {
         &self.moe
+    }
+    /// The storage cluster's nodes (their queues, failures and rebuilds).
+    pub fn storage_mut(&mut self) -> &mut StorageCluster {
+        &mut self.storage
     }
 
     fn launch(&mut self, device: DeviceId, start: Nanos, unit: &mut ServingUnit<'_>) {
@@ -178,6 +182,11 @@ impl Environment for VirtualEnv {
                 }
             }
         }
+        Ok(())
+    }
+
+    fn update_shared(&mut self, now: Nanos, sh: &mut SharedCache) -> Result<(), RunError> {
+        self.storage.update(now, &mut sh.store);
         Ok(())
     }
 }
