@@ -142,7 +142,7 @@ pub fn add_workload(
     t.insert("seed".into(), toml::Value::Integer(w.seed as i64));
     let text = toml::to_string(&doc).map_err(|e| bad(e.to_string()))?;
     let file = crate::conformance::ConformanceFile::parse(&text, &w.origin)?;
-    let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+    let mut b = CudaBackend::new(gpu, file.backend_config())?;
     let rec = crate::conformance::run_on_gpu(&mut b, &text, &w.origin, &w.profile_text, "", "")?;
     sweep.workload_seed = Some(w.seed);
     sweep.workload = rec.run.steps;

@@ -487,7 +487,7 @@ fn gpu_record(o: &ConformanceOptions, log: &mut dyn FnMut(&str)) -> Result<Recor
         ClockKind::Virtual => {
             // As in calibration and the wall clock: one CPU for the launching thread.
             let pin = crate::affinity::pin_to_current_cpu();
-            let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+            let mut b = CudaBackend::new(gpu, file.backend_config())?;
             log(&format!(
                 "backend ready in {:.1} s",
                 t0.elapsed().as_secs_f64()
