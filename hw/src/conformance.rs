@@ -920,7 +920,7 @@ mod tests {
     use servelab_core::content::{ChainBuilder, SegmentId};
     use servelab_core::engine::PrefillCostModel;
     use servelab_core::profile::TransferProfile;
-    use servelab_core::unit::DeviceId;
+    use servelab_core::unit::{DeviceId, Input};
     use servelab_core::{SessionId, TrafficClass};
     use std::sync::Arc;
 
@@ -1251,6 +1251,12 @@ think_time_s = { kind = "fixed", value = 0.2 }
             .unwrap();
             assert_eq!(run.clock, ClockKind::Wall);
             assert_eq!(report.completed, 9);
+            assert!(!run.handoffs.is_empty());
+            assert!(
+                run.handoffs
+                    .iter()
+                    .all(|h| h.end_ns >= h.start_ns && h.picked.is_some())
+            );
             assert!(run.admitted_in_flight >= 1);
             for s in &run.steps {
                 assert!(s.start_ns < s.end_ns, "{s:?}");
@@ -1269,6 +1275,93 @@ think_time_s = { kind = "fixed", value = 0.2 }
             let check = replay_check(&f, &profile(), &reqs, &moved).unwrap();
             assert!(check.mismatched_steps > 0 || !check.outcomes_identical);
         }
+    }
+
+    /// The handoff on the model device: every handed-off request has one record, the copy
+    /// queues behind the GPU's earlier work and `HandoffDone` comes when it ends; the replay
+    /// checks each handoff, and a record whose handoff moved is reported.
+    #[test]
+    fn handoffs_are_timed_recorded_and_replayed() {
+        let f = wide_file();
+        let reqs = workload(&f).unwrap();
+        let model = HandoffSection {
+            copy: true,
+            bytes_per_s: 1e9,
+            latency: Nanos::from_micros(200),
+        };
+        let mut dev = ModelDevice::new(profile(), 0.75, 3).with_handoff(&model);
+        let (run, report) = run_virtual(&f, &profile(), &reqs, &mut dev).unwrap();
+        assert_eq!(report.completed, 9);
+        let decoding = reqs.iter().filter(|r| r.output_tokens > 1).count();
+        assert_eq!(run.handoffs.len(), decoding);
+        for h in &run.handoffs {
+            assert!(matches!(h.from, DeviceId::Prefill(_)) && matches!(h.to, DeviceId::Decode(_)));
+            assert_eq!(h.bytes, h.unit_bytes);
+            assert_eq!(h.duration_ns, model.predict_ns(h.bytes).round() as u64);
+            assert_eq!(h.end_ns, h.start_ns + h.queued_ns + h.duration_ns, "{h:?}");
+            assert!(h.picked.is_some());
+            let fed = run
+                .inputs
+                .iter()
+                .find(|l| l.input == Input::HandoffDone(h.request))
+                .unwrap();
+            assert_eq!(fed.at_ns, h.end_ns);
+        }
+        assert!(run.handoffs.iter().any(|h| h.from == DeviceId::Prefill(1)));
+        assert!(run.handoffs.iter().any(|h| h.to == DeviceId::Decode(1)));
+        let check = replay(&f, &run);
+        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+        assert_eq!(
+            (check.recorded_handoffs, check.replayed_handoffs),
+            (decoding, decoding)
+        );
+        assert!(check.outcomes_identical);
+        // A slower copy moves the requests' decode: the record no longer replays as recorded.
+        let slow = HandoffSection {
+            bytes_per_s: 1e8,
+            ..model.clone()
+        };
+        let mut dev = ModelDevice::new(profile(), 0.75, 3).with_handoff(&slow);
+        let (slower, _) = run_virtual(&f, &profile(), &reqs, &mut dev).unwrap();
+        assert!(slower.requests[0].last_token_ns > run.requests[0].last_token_ns);
+        let mut moved = run.clone();
+        moved.handoffs[0].unit_bytes += 1;
+        let check = replay(&f, &moved);
+        assert!(
+            check
+                .first_mismatches
+                .iter()
+                .any(|m| m.contains("handoff 0")),
+            "{check:?}"
+        );
+    }
+
+    /// The config's handoff section: the default copies, errors name the field, and the
+    /// backend's pool is split by unit device only when the handoff copies.
+    #[test]
+    fn the_handoff_section_splits_the_pool() {
+        let f = wide_file();
+        assert!(f.conformance.handoff.copy);
+        assert_eq!(f.backend_config().unit_devices, Some((2, 2)));
+        assert_eq!(f.backend_config().region_blocks().len(), 4);
+        let off = CONFIG.replace(
+            "[conformance.swa]",
+            "[conformance.handoff]\ncopy = false\n\n[conformance.swa]",
+        );
+        let f = ConformanceFile::parse(&off, "c.toml").unwrap();
+        assert_eq!(f.backend_config().unit_devices, None);
+        let bad = CONFIG.replace(
+            "[conformance.swa]",
+            "[conformance.handoff]\nbytes_per_s = 0.0\n\n[conformance.swa]",
+        );
+        let e = ConformanceFile::parse(&bad, "c.toml").unwrap_err();
+        assert!(e.to_string().contains("handoff.bytes_per_s"), "{e}");
+        let bad = CONFIG.replace(
+            "[conformance.swa]",
+            "[backend]\nhbm_blocks = 64\nprefill_region_blocks = 64\n\n[conformance.swa]",
+        );
+        let e = ConformanceFile::parse(&bad, "c.toml").unwrap_err();
+        assert!(e.to_string().contains("prefill_region_blocks"), "{e}");
     }
 
     /// Loads a committed record, or None where the file has not been committed.

@@ -1046,6 +1046,92 @@ mod tests {
         b.use_prefill_kernel(true).unwrap();
     }
 
+    /// The handoff copies a prefilled request's KV and SWA ring from the prefill engine's
+    /// region into a decode group's: a decode step on that group then gives the same logits
+    /// as on a backend with one shared pool, and the copy is timed and sized.
+    #[test]
+    fn gpu_handoff_copy_keeps_the_decode_exact() {
+        let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
+            return;
+        };
+        let gpu = Arc::new(gpu);
+        let m = tiny().model;
+        let prefill = StepPlan::Prefill(PrefillPlan {
+            engine: EngineId(0),
+            chunks: vec![PrefillChunk {
+                request: RequestId(5),
+                new_tokens: 300,
+                prefix_tokens: 0,
+                new_token_layers: m.encoder_layers as u32,
+                decoder_tokens: 140,
+                decoder_layers: m.decoder_layers as u32,
+                swap_in_bytes: 0,
+            }],
+            expert_imbalance: 1.0,
+        });
+        let decode = |group: u32| {
+            StepPlan::Decode(DecodePlan {
+                engine: EngineId(group),
+                ranks: vec![DecodeRankPlan {
+                    seq_start: 0,
+                    seq_end: 1,
+                    verify_budget: 2,
+                }],
+                seqs: vec![DecodeSeq {
+                    request: RequestId(5),
+                    kv_tokens: 301,
+                    max_drafts: 2,
+                    slot: 0,
+                }],
+                dynamic: false,
+                expert_imbalance: 1.0,
+            })
+        };
+        let mut logits = Vec::new();
+        for split in [false, true] {
+            let cfg = BackendConfig {
+                hbm_blocks: 24,
+                ring_slots: 2,
+                unit_devices: split.then_some((1, 2)),
+                ..tiny()
+            };
+            let mut b = CudaBackend::new(gpu.clone(), cfg).unwrap();
+            b.keep_logits = true;
+            let mut rep = StepReport::default();
+            b.try_execute(&prefill, &mut rep).unwrap();
+            let copy = b.handoff(5, 1).unwrap();
+            if split {
+                assert_eq!(b.tiers.region_of(5), Some(2));
+                let ring = b.cfg.ring_slot_elems() * 2;
+                assert_eq!(copy.bytes as usize, 3 * m.block_bytes() + ring);
+                assert!(copy.duration_ns > 0);
+                println!(
+                    "handoff copy: {} B in {:.1} us ({:.1} GB/s)",
+                    copy.bytes,
+                    copy.duration_ns as f64 / 1e3,
+                    copy.bytes as f64 / copy.duration_ns as f64
+                );
+                // the prefill engine's region is free again from the next step on
+                b.tiers.begin_step();
+                assert_eq!(b.tiers.hbm_free_in(0), 8);
+            } else {
+                assert_eq!(copy, HandoffCopy::default());
+            }
+            b.try_execute(&decode(if split { 1 } else { 0 }), &mut rep)
+                .unwrap();
+            logits.push(b.last_logits.clone());
+        }
+        let (a, c) = (&logits[0], &logits[1]);
+        assert_eq!(a.len(), c.len());
+        let max = a
+            .iter()
+            .zip(c)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        println!("decode after the handoff vs one shared pool: max abs logit diff {max:.3e}");
+        assert!(max <= 1e-3, "max diff {max}");
+    }
+
     /// Prefill, decode with verification, and enough sequences to force swap-out and swap-in.
     #[test]
     fn gpu_backend_runs_plans_and_swaps() {
