@@ -1364,13 +1364,14 @@ think_time_s = { kind = "fixed", value = 0.2 }
         assert!(e.to_string().contains("prefill_region_blocks"), "{e}");
     }
 
-    /// Loads a committed record, or None where the file has not been committed.
+    /// Loads a committed (gzip-compressed) record, or None where the file has not been
+    /// committed.
     fn committed(run: &str) -> Option<Record> {
         let path = format!(
-            "{}/measurements/2026-11-29-nvidia-h200-{run}-record.json",
+            "{}/measurements/2026-11-29-nvidia-h200-{run}-record.json.gz",
             env!("CARGO_MANIFEST_DIR")
         );
-        let text = std::fs::read_to_string(path).ok()?;
+        let text = crate::commands::read_text(std::path::Path::new(&path)).ok()?;
         Some(serde_json::from_str(&text).unwrap())
     }
 
