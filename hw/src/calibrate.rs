@@ -13,7 +13,7 @@
 //! Besides the grid, the fit takes the steps of a calibration workload (the conformance config
 //! run on the GPU under another seed): isolated grid steps after a reset and the same shapes
 //! inside a running engine differ by more than the target error (small hit-suffix prefill
-//! steps ran 20–30 % faster in the engine on the H200, run 8), so the fit sees both.
+//! steps ran 20–30 % faster in the engine on the H200), so the fit sees both.
 //! Residuals are relative (each point weighs 1/t), so short and long steps count alike; a
 //! coefficient the fit makes negative is pinned at 0 and the rest refitted (non-negative least
 //! squares by elimination).

@@ -25,12 +25,13 @@ pub fn end_quietly_on_closed_pipe() {
 #[derive(clap::Subcommand, Debug)]
 pub enum HwCommand {
     /// Sweep prefill and decode step shapes through the CUDA backend, fit the simulator's
-    /// cost model and write the hardware profile (plus the raw sweep as FILE.sweep.json).
+    /// cost model and write the hardware profile (plus the raw sweep as FILE.sweep.json.gz).
     Calibrate {
         /// Profile to write, e.g. sim/profiles/h200-measured.toml.
         #[arg(long)]
         out: PathBuf,
-        /// Raw sweep (JSON); next to the profile unless given.
+        /// Raw sweep (JSON, gzip-compressed when the name ends in .gz); next to the profile
+        /// unless given.
         #[arg(long)]
         sweep_out: Option<PathBuf>,
         /// Small model and few shapes (a smoke run).

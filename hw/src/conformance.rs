@@ -85,8 +85,8 @@ pub struct ConformanceConfig {
     #[serde(default = "warmups")]
     pub warmup_steps: u32,
     /// Seed of a whole throwaway run of the workload before the recorded one (absent: none):
-    /// the ladder of `warmup_steps` does not warm everything a long run touches (see
-    /// hw/measurements/2026-11-29-nvidia-h200-run16-wide-conformance.md).
+    /// the ladder of `warmup_steps` does not warm everything a long run touches (prefill steps
+    /// early in a run took up to twice their later time without it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup_run_seed: Option<u64>,
 }
@@ -743,8 +743,8 @@ pub fn run_on_gpu_wall(
 /// ladder of prefill chunk sizes (128 to 8,192 new tokens, cold and over a cached prefix) and
 /// of decode batch sizes (1 to `max_seqs`, six query tokens each), `warmup_steps` times. One
 /// size is not enough: kernels load lazily and cuBLAS picks per GEMM shape on first use, and
-/// activation buffers grow to the largest step seen (hw/measurements, run 11: the first cold
-/// 3–4K-token prefill steps took 2–4x their later time and set the TTFT tail). Then, with
+/// activation buffers grow to the largest step seen (without it the first cold 3–4K-token
+/// prefill steps took 2–4x their later time and set the TTFT tail). Then, with
 /// `warmup_run_seed`, a whole throwaway run of the unit under that seed.
 fn warm_up(
     b: &mut CudaBackend,
@@ -1016,8 +1016,8 @@ think_time_s = { kind = "fixed", value = 0.2 }
 
     #[test]
     fn warm_up_plans_are_valid_for_the_backend() {
-        // Run 12's first try stopped here on the device: a 128-token cold chunk with a
-        // 140-token replay. The backend's own plan check runs without a GPU.
+        // A 128-token cold chunk must not ask for a 140-token replay. The backend's own plan
+        // check runs without a GPU.
         let f = file();
         let plans = warm_up_plans(&f.backend.model, &f);
         assert!(plans.len() >= 14, "{} plans", plans.len());
@@ -1375,7 +1375,7 @@ think_time_s = { kind = "fixed", value = 0.2 }
         Some(serde_json::from_str(&text).unwrap())
     }
 
-    /// The records of the one-device engine loop (H200 runs 4–19) still load, their steps
+    /// The records of the one-device engine loop (before the serving unit) still load, their steps
     /// keep their plans and times, and the replay says plainly that they have no input log.
     #[test]
     fn committed_records_of_the_old_loop_load() {
