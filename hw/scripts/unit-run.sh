@@ -25,9 +25,9 @@ driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null
 status=0
 timed() { # name, timeout, command...
   local name=$1 t=$2; shift 2
-  local s=$(date +%s.%N)
+  local s=$(date +%s%N)
   timeout "$t" "$@" > "$out/$name.log" 2>&1 || { echo "FAILED ($?): $name" | tee -a "$out/$name.log"; status=1; }
-  echo "$name: $(echo "$(date +%s.%N) - $s" | bc) s" | tee -a "$out/times.txt"
+  echo "$name: $(( ($(date +%s%N) - s) / 1000000 )) ms" | tee -a "$out/times.txt"
   tail -n 4 "$out/$name.log"
 }
 conf() { # name, config, profile, clock
