@@ -5,9 +5,13 @@
 #        then the calibration of conformance-kv.toml's model (its workload joins the fit);
 #   PART=kv bash hw/scripts/unit-run.sh BUNDLE     conformance-kv.toml on both clocks with
 #        the profile in $KV_PROFILE (default sim/profiles/h200-kv-measured.toml).
-# Everything lands under $OUT, the records gzip-compressed, with a log per command.
+# Everything lands under $OUT, the records gzip-compressed, with a log per command. CFG_DIR and
+# PROFILE_DIR say where the configs and profiles are (default: the repository's folders; a
+# bundle staged into another checkout carries its own copies).
 set -uo pipefail
 b=${1:-gpu-bundle-gpu}
+cfg=${CFG_DIR:-experiments/configs}
+prof=${PROFILE_DIR:-sim/profiles}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 libdirs=""
@@ -38,13 +42,13 @@ if [[ "${PART:-unit}" == unit ]]; then
   for t in "$b"/tests/servelab_hw*; do
     timed tests-hw 150 "$t" gpu_ --test-threads=1 --nocapture
   done
-  conf unit-virtual experiments/configs/conformance-unit.toml sim/profiles/h200-wide-measured.toml virtual
-  conf unit-wall experiments/configs/conformance-unit.toml sim/profiles/h200-wide-measured.toml wall
-  timed kv-calibrate 200 "$b/servelab-gpu" calibrate --workload experiments/configs/conformance-kv.toml \
+  conf unit-virtual "$cfg/conformance-unit.toml" "$prof/h200-wide-measured.toml" virtual
+  conf unit-wall "$cfg/conformance-unit.toml" "$prof/h200-wide-measured.toml" wall
+  timed kv-calibrate 200 "$b/servelab-gpu" calibrate --workload "$cfg/conformance-kv.toml" \
     --out "$out/h200-kv-measured.toml" --name h200-kv-measured --date "$day" --commit "$commit" --driver "$driver"
 else
-  p=${KV_PROFILE:-sim/profiles/h200-kv-measured.toml}
-  conf kv-virtual experiments/configs/conformance-kv.toml "$p" virtual
-  conf kv-wall experiments/configs/conformance-kv.toml "$p" wall
+  p=${KV_PROFILE:-$prof/h200-kv-measured.toml}
+  conf kv-virtual "$cfg/conformance-kv.toml" "$p" virtual
+  conf kv-wall "$cfg/conformance-kv.toml" "$p" wall
 fi
 exit $status
