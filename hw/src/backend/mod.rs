@@ -169,7 +169,7 @@ impl BackendConfig {
             self.hbm_blocks / n
         };
         let rest = self.hbm_blocks.saturating_sub(p * pre);
-        let dec = if g > 0 { rest / g } else { 0 };
+        let dec = rest.checked_div(g).unwrap_or(0);
         let mut v = vec![pre; p];
         v.extend(std::iter::repeat_n(dec, g));
         v
