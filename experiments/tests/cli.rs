@@ -374,8 +374,8 @@ fn hw_refit_reproduces_the_committed_conformance_analysis() {
         env!("CARGO_MANIFEST_DIR"),
         "/../hw/measurements/2026-11-29-nvidia-h200-run5-"
     );
-    let sweep = format!("{m}calibrate-sweep.json");
-    let record = format!("{m}conformance-record.json");
+    let sweep = format!("{m}calibrate-sweep.json.gz");
+    let record = format!("{m}conformance-record.json.gz");
     let profile = d.join("p.toml");
     let o = servelab(&[
         "hw",
@@ -418,7 +418,7 @@ fn hw_conformance_analyses_a_committed_record_and_takes_a_clock() {
     let d = scratch("conformance");
     let record = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../hw/measurements/2026-11-29-nvidia-h200-run8-conformance-record.json"
+        "/../hw/measurements/2026-11-29-nvidia-h200-run8-conformance-record.json.gz"
     );
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/conformance.toml");
     let o = servelab(&[
@@ -457,7 +457,7 @@ fn hw_conformance_wide_record_meets_the_targets_offline() {
     let d = scratch("conformance-wide");
     let record = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../hw/measurements/2026-11-29-nvidia-h200-run17-wide-conformance-record.json"
+        "/../hw/measurements/2026-11-29-nvidia-h200-run17-wide-conformance-record.json.gz"
     );
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/conformance-wide.toml");
     let profile = concat!(

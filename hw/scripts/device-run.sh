@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [speed args...]
 # Writes (at most 8 files, the device tool's limit) to $OUT (or ./gpu-out when unset):
-# env.txt, tests.log, test-report.md, backend-check.md, h200-measured.toml, conformance.md,
-# speed.md and json.tgz (test-report.json, backend-check.json, h200-measured.sweep.json,
-# conformance.json, conformance-record.json, speed.json, and the wall-clock conformance run:
-# conformance-wall.md, conformance-wall.json, conformance-wall-record.json).
+# env.txt, tests.log, test-report.md, backend-check.md, h200-measured.toml, conformance-replay.md,
+# speed.md and json.tgz (test-report.json, backend-check.json, h200-measured.sweep.json.gz,
+# conformance-record.json.gz, speed.json, and the wall-clock conformance run:
+# conformance-wall-replay.md, conformance-wall-record.json.gz).
 # SKIP_TESTS=1 / SKIP_CHECK=1 / SKIP_CALIBRATE=1 / SKIP_CONFORMANCE=1 / SKIP_WALL=1 /
 # SKIP_SPEED=1 skip those parts. CONFORMANCE_CONFIG=path picks the conformance config (and the
 # calibration workload, whose model the calibration grid then runs on); default
@@ -70,11 +70,10 @@ if [[ "${SKIP_CONFORMANCE:-0}" != 1 && -f "$conf" ]]; then
     mkdir -p "$out/wall"
     timeout 300 "$b/servelab-gpu" conformance "$conf" "${prof[@]}" \
       --clock wall --out "$out/wall" --date "$date_utc" --commit "$commit" > /dev/null || status=1
-    mv "$out/wall/conformance.md" "$out/conformance-wall.md" 2>/dev/null
-    mv "$out/wall/conformance.json" "$out/conformance-wall.json" 2>/dev/null
-    mv "$out/wall/conformance-record.json" "$out/conformance-wall-record.json" 2>/dev/null
+    mv "$out/wall/conformance-replay.md" "$out/conformance-wall-replay.md" 2>/dev/null
+    mv "$out/wall/conformance-record.json.gz" "$out/conformance-wall-record.json.gz" 2>/dev/null
     rmdir "$out/wall" 2>/dev/null
-    sed -n '/^Clock/,/^## 3/p' "$out/conformance-wall.md" 2>/dev/null | grep -E "^Clock|^\| (all|prefill|decode)"
+    cat "$out/conformance-wall-replay.md" 2>/dev/null
   fi
 fi
 if [[ "${SKIP_SPEED:-0}" != 1 ]]; then
@@ -90,5 +89,5 @@ if [[ "${ATTENTION_BENCH:-0}" == 1 ]]; then
       | tee -a "$out/attention-bench.log" | grep -E "GB/s|panicked|test result" || status=1
   done
 fi
-(cd "$out" && tar czf json.tgz --remove-files $(ls *.json conformance-wall.md 2>/dev/null) 2>/dev/null)
+(cd "$out" && tar czf json.tgz --remove-files $(ls *.json *.json.gz conformance-wall-replay.md 2>/dev/null) 2>/dev/null)
 exit $status

@@ -13,7 +13,7 @@
 //! Besides the grid, the fit takes the steps of a calibration workload (the conformance config
 //! run on the GPU under another seed): isolated grid steps after a reset and the same shapes
 //! inside a running engine differ by more than the target error (small hit-suffix prefill
-//! steps ran 20–30 % faster in the engine on the H200, run 8), so the fit sees both.
+//! steps ran 20–30 % faster in the engine on the H200), so the fit sees both.
 //! Residuals are relative (each point weighs 1/t), so short and long steps count alike; a
 //! coefficient the fit makes negative is pinned at 0 and the rest refitted (non-negative least
 //! squares by elimination).
@@ -142,7 +142,7 @@ pub fn add_workload(
     t.insert("seed".into(), toml::Value::Integer(w.seed as i64));
     let text = toml::to_string(&doc).map_err(|e| bad(e.to_string()))?;
     let file = crate::conformance::ConformanceFile::parse(&text, &w.origin)?;
-    let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+    let mut b = CudaBackend::new(gpu, file.backend_config())?;
     let rec = crate::conformance::run_on_gpu(&mut b, &text, &w.origin, &w.profile_text, "", "")?;
     sweep.workload_seed = Some(w.seed);
     sweep.workload = rec.run.steps;

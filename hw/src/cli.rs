@@ -25,12 +25,13 @@ pub fn end_quietly_on_closed_pipe() {
 #[derive(clap::Subcommand, Debug)]
 pub enum HwCommand {
     /// Sweep prefill and decode step shapes through the CUDA backend, fit the simulator's
-    /// cost model and write the hardware profile (plus the raw sweep as FILE.sweep.json).
+    /// cost model and write the hardware profile (plus the raw sweep as FILE.sweep.json.gz).
     Calibrate {
         /// Profile to write, e.g. sim/profiles/h200-measured.toml.
         #[arg(long)]
         out: PathBuf,
-        /// Raw sweep (JSON); next to the profile unless given.
+        /// Raw sweep (JSON, gzip-compressed when the name ends in .gz); next to the profile
+        /// unless given.
         #[arg(long)]
         sweep_out: Option<PathBuf>,
         /// Small model and few shapes (a smoke run).
@@ -86,6 +87,10 @@ pub enum HwCommand {
         /// Prefix of the output file names (e.g. 2026-11-29-nvidia-h200-).
         #[arg(long, default_value = "")]
         prefix: String,
+        /// Also repeat the comparison with every time of the profile scaled by 0.90–1.10
+        /// (`servelab hw conformance` only: the simulator is needed).
+        #[arg(long)]
+        sensitivity: bool,
     },
     /// Re-fit a profile from a saved calibration sweep (no GPU needed); with a conformance
     /// record, its first decode steps set the engine-loop offset and the rest are held out, and
@@ -154,7 +159,7 @@ fn gpu() -> Result<Arc<commands::GpuContext>, CommandError> {
 }
 
 fn read(path: &std::path::Path) -> Result<String, CommandError> {
-    std::fs::read_to_string(path).map_err(|cause| CommandError::Io {
+    commands::read_text(path).map_err(|cause| CommandError::Io {
         path: path.to_path_buf(),
         cause,
     })
@@ -252,14 +257,21 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
             let file = ConformanceFile::parse(&text, &config.display().to_string())?;
             let spec = profile.unwrap_or_else(|| file.conformance.profile.clone());
             let ptext = commands::profile_text(&spec)?;
-            let run = dry_run(&file, &ptext)?.run;
+            let mut rec = dry_run(&file, &ptext)?;
+            rec.config = text;
+            commands::write(
+                &out,
+                "dry-run-record.json.gz",
+                &serde_json::to_string(&rec).unwrap_or_default(),
+            )?;
+            let run = rec.run;
             let pre = run
                 .steps
                 .iter()
                 .filter(|s| matches!(s.plan, StepPlan::Prefill(_)))
                 .count();
             println!(
-                "dry run: {} requests, {} steps ({pre} prefill), {:.1} ms of simulated device time (out {})",
+                "dry run: {} requests, {} steps ({pre} prefill), {:.1} ms of simulated device time (record: {}/dry-run-record.json.gz)",
                 run.requests.len(),
                 run.steps.len(),
                 run.end_ns as f64 / 1e6,

@@ -25,6 +25,8 @@ use servelab_core::Nanos;
 use servelab_core::engine::{StepPlan, StepReport};
 use servelab_core::unit::DeviceId;
 
+use crate::backend::HandoffCopy;
+
 /// Which clock a run used (stored in the record: the replay needs to know how a step's end was
 /// set).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -68,12 +70,56 @@ impl InFlight {
     }
 }
 
-/// One step for the device thread: the unit device it belongs to, its plan, the report to
-/// fill, and the earliest instant it may start (a synchronous decode step's host gap).
+/// A handoff for the device: request `request` (its index in the unit's table) moves from
+/// prefill engine `from_engine`'s KV pool into decode group `to_group`'s; `bytes` is what the
+/// unit says it moves (prompt KV and SWA state).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HandoffJob {
+    pub request: u32,
+    pub from_engine: u32,
+    pub to_group: u32,
+    pub bytes: u64,
+}
+
+/// What the GPU environment asks of its device (the CUDA backend, or a stand-in): run a plan,
+/// move a handed-off request's state between the unit devices' pools, forget a finished
+/// request. Every `FnMut(&StepPlan, &mut StepReport)` is a device whose handoffs move nothing
+/// (one shared pool: answered at once) and that keeps nothing to forget.
+pub trait UnitDevice<E = String> {
+    /// Runs one plan, filling the report (its `duration` the device's own measurement).
+    fn step(&mut self, plan: &StepPlan, report: &mut StepReport) -> Result<(), E>;
+    /// Carries out a handoff; a zero duration means nothing had to move.
+    fn handoff(&mut self, _job: &HandoffJob) -> Result<HandoffCopy, E> {
+        Ok(HandoffCopy::default())
+    }
+    /// The request finished: its state on the device may go.
+    fn release(&mut self, _request: u32) {}
+}
+
+impl<E, F> UnitDevice<E> for F
+where
+    F: FnMut(&StepPlan, &mut StepReport) -> Result<(), E> + ?Sized,
+{
+    fn step(&mut self, plan: &StepPlan, report: &mut StepReport) -> Result<(), E> {
+        self(plan, report)
+    }
+}
+
+/// The work of one job.
+pub enum Work {
+    /// A step: its plan and the report to fill.
+    Step { plan: StepPlan, report: StepReport },
+    /// A handoff and the copy's answer.
+    Handoff { job: HandoffJob, copy: HandoffCopy },
+    /// Forget a finished request (not answered).
+    Release(u32),
+}
+
+/// One job for the device thread: the unit device it belongs to, its work, and the earliest
+/// instant it may start (a synchronous decode step's host gap).
 pub struct Job {
     pub device: DeviceId,
-    pub plan: StepPlan,
-    pub report: StepReport,
+    pub work: Work,
     pub not_before: Instant,
 }
 
@@ -85,8 +131,8 @@ enum Msg<E> {
 
 /// The device on a worker thread. It is built there by the factory given to
 /// [`WallDevice::spawn`] (the CUDA backend need not be `Send`), then runs the jobs it is sent
-/// one at a time, in order (one GPU shared by every device of the unit). A device error ends
-/// the thread; it comes back from the next receive.
+/// one at a time, in order (one GPU shared by every device of the unit: steps and handoff
+/// copies queue FIFO). A device error ends the thread; it comes back from the next receive.
 pub struct WallDevice<E> {
     t0: Instant,
     jobs: Option<mpsc::Sender<Job>>,
@@ -104,7 +150,7 @@ impl<E: Send + 'static> WallDevice<E> {
     pub fn spawn<F, X>(make: F) -> Result<Self, E>
     where
         F: FnOnce(InFlight) -> Result<X, E> + Send + 'static,
-        X: FnMut(&StepPlan, &mut StepReport) -> Result<(), E> + 'static,
+        X: UnitDevice<E> + 'static,
     {
         let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
         let (done_tx, done_rx) = mpsc::channel::<Msg<E>>();
@@ -143,7 +189,7 @@ fn device_thread<E, F, X>(
     done: mpsc::Sender<Msg<E>>,
 ) where
     F: FnOnce(InFlight) -> Result<X, E>,
-    X: FnMut(&StepPlan, &mut StepReport) -> Result<(), E>,
+    X: UnitDevice<E>,
 {
     let mut run = match make(probe) {
         Ok(run) => run,
@@ -161,7 +207,15 @@ fn device_thread<E, F, X>(
         if !wait.is_zero() {
             std::thread::sleep(wait);
         }
-        let msg = match run(&job.plan, &mut job.report) {
+        let ran = match &mut job.work {
+            Work::Step { plan, report } => run.step(plan, report),
+            Work::Handoff { job: h, copy } => run.handoff(h).map(|c| *copy = c),
+            Work::Release(r) => {
+                run.release(*r);
+                continue;
+            }
+        };
+        let msg = match ran {
             Ok(()) => Msg::Done(job),
             Err(e) => Msg::Failed(e),
         };
@@ -184,17 +238,20 @@ impl<E> WallDevice<E> {
     pub fn in_flight(&self) -> InFlight {
         self.in_flight.clone()
     }
-    /// Steps sent and not yet received back.
+    /// Steps and handoffs sent and not yet received back.
     pub fn queued(&self) -> usize {
         self.queued
     }
 
     pub fn submit(&mut self, job: Job) {
+        let answered = !matches!(job.work, Work::Release(_));
         let sent = self.jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok());
         if !sent {
             self.worker_gone();
         }
-        self.queued += 1;
+        if answered {
+            self.queued += 1;
+        }
     }
 
     /// The next finished step, waiting until `deadline` at most (None: wait as long as it
@@ -267,12 +324,14 @@ mod tests {
     fn job(dev: &WallDevice<String>) -> Job {
         Job {
             device: DeviceId::Prefill(0),
-            plan: StepPlan::Prefill(PrefillPlan {
-                engine: EngineId(0),
-                chunks: Vec::new(),
-                expert_imbalance: 1.0,
-            }),
-            report: StepReport::default(),
+            work: Work::Step {
+                plan: StepPlan::Prefill(PrefillPlan {
+                    engine: EngineId(0),
+                    chunks: Vec::new(),
+                    expert_imbalance: 1.0,
+                }),
+                report: StepReport::default(),
+            },
             not_before: dev.instant(Nanos::ZERO),
         }
     }
@@ -298,9 +357,13 @@ mod tests {
         let j = job(&d);
         d.submit(j);
         assert_eq!(d.queued(), 2);
-        let a = d.receive(None).unwrap().unwrap();
-        let b = d.receive(None).unwrap().unwrap();
-        assert_eq!((a.report.duration, b.report.duration), (Nanos(1), Nanos(2)));
+        let duration = |j: Job| match j.work {
+            Work::Step { report, .. } => report.duration,
+            _ => panic!("a step was sent"),
+        };
+        let a = duration(d.receive(None).unwrap().unwrap());
+        let b = duration(d.receive(None).unwrap().unwrap());
+        assert_eq!((a, b), (Nanos(1), Nanos(2)));
         let soon = d.now() + Nanos::from_millis(2);
         assert!(d.receive(Some(soon)).unwrap().is_none());
         let j = job(&d);

@@ -51,10 +51,18 @@ pub fn open_gpu() -> Result<GpuContext, CommandError> {
     }
 }
 
-fn write(dir: &Path, name: &str, text: &str) -> Result<PathBuf, CommandError> {
+/// Writes `text` to `dir/name`, gzip-compressed when the name ends in `.gz` (records and
+/// calibration sweeps are megabytes of JSON).
+pub fn write(dir: &Path, name: &str, text: &str) -> Result<PathBuf, CommandError> {
     let path = dir.join(name);
     std::fs::create_dir_all(dir)
-        .and_then(|_| std::fs::write(&path, text))
+        .and_then(|_| {
+            if name.ends_with(".gz") {
+                std::fs::write(&path, gzip(text.as_bytes())?)
+            } else {
+                std::fs::write(&path, text)
+            }
+        })
         .map_err(|cause| CommandError::Io {
             path: path.clone(),
             cause,
@@ -62,8 +70,27 @@ fn write(dir: &Path, name: &str, text: &str) -> Result<PathBuf, CommandError> {
     Ok(path)
 }
 
+fn gzip(bytes: &[u8]) -> std::io::Result<Vec<u8>> {
+    use std::io::Write;
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    enc.write_all(bytes)?;
+    enc.finish()
+}
+
+/// Reads a text file, decompressing it when its name ends in `.gz`.
+pub fn read_text(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    if path.extension().is_some_and(|e| e == "gz") {
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(std::fs::File::open(path)?).read_to_string(&mut text)?;
+        Ok(text)
+    } else {
+        std::fs::read_to_string(path)
+    }
+}
+
 fn read(path: &Path) -> Result<String, CommandError> {
-    std::fs::read_to_string(path).map_err(|cause| CommandError::Io {
+    read_text(path).map_err(|cause| CommandError::Io {
         path: path.to_path_buf(),
         cause,
     })
@@ -275,7 +302,7 @@ pub fn calibrate(
     let sweep_path = o
         .sweep_out
         .clone()
-        .unwrap_or_else(|| o.out.with_extension("sweep.json"));
+        .unwrap_or_else(|| o.out.with_extension("sweep.json.gz"));
     let json = serde_json::json!({"config": cfg, "model": m, "sweep": sweep, "fit": fit});
     write(
         sweep_path.parent().unwrap_or(Path::new(".")),
@@ -458,7 +485,7 @@ pub fn conformance(
             let rec = gpu_record(o, log)?;
             write(
                 &o.out,
-                &format!("{}conformance-record.json", o.prefix),
+                &format!("{}conformance-record.json.gz", o.prefix),
                 &serde_json::to_string(&rec).unwrap_or_default(),
             )?;
             rec
@@ -487,7 +514,7 @@ fn gpu_record(o: &ConformanceOptions, log: &mut dyn FnMut(&str)) -> Result<Recor
         ClockKind::Virtual => {
             // As in calibration and the wall clock: one CPU for the launching thread.
             let pin = crate::affinity::pin_to_current_cpu();
-            let mut b = CudaBackend::new(gpu, file.backend.clone())?;
+            let mut b = CudaBackend::new(gpu, file.backend_config())?;
             log(&format!(
                 "backend ready in {:.1} s",
                 t0.elapsed().as_secs_f64()

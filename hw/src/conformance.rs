@@ -30,7 +30,7 @@ use servelab_workloads::generate::WorkloadConfig;
 
 use crate::backend::{BackendConfig, CudaBackend, ModelShape};
 use crate::clock::WallDevice;
-use crate::env::{GpuEnv, ReplayEnv, RunOutcome, StepFn, request_outcomes};
+use crate::env::{GpuEnv, HandoffJob, ReplayEnv, RunOutcome, UnitDevice, request_outcomes};
 
 /// The conformance config file (`experiments/configs/conformance.toml`).
 #[derive(Clone, Debug, Deserialize)]
@@ -79,12 +79,14 @@ pub struct ConformanceConfig {
     pub prefill: PrefillSection,
     #[serde(default)]
     pub decode: DecodeSection,
+    #[serde(default)]
+    pub handoff: HandoffSection,
     /// Throwaway plans run on the GPU before the recorded run (cuBLAS heuristics, allocator).
     #[serde(default = "warmups")]
     pub warmup_steps: u32,
     /// Seed of a whole throwaway run of the workload before the recorded one (absent: none):
-    /// the ladder of `warmup_steps` does not warm everything a long run touches (see
-    /// hw/measurements/2026-11-29-nvidia-h200-run16-wide-conformance.md).
+    /// the ladder of `warmup_steps` does not warm everything a long run touches (prefill steps
+    /// early in a run took up to twice their later time without it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup_run_seed: Option<u64>,
 }
@@ -132,6 +134,49 @@ impl Default for DecodeSection {
     }
 }
 
+/// The handoff from a prefill engine to a decode group on the one GPU.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HandoffSection {
+    /// Each prefill engine and decode group keeps its own KV region of the backend's pool and
+    /// the handoff copies the request's KV blocks and SWA ring between them (device to
+    /// device); false: one shared pool, the handoff answered at once.
+    pub copy: bool,
+    /// The simulator's handoff link for this GPU (`LinkConfig`): bytes per second of the
+    /// device-to-device copy, and its fixed cost per handoff (id uploads, launch, events).
+    pub bytes_per_s: f64,
+    pub latency: Nanos,
+}
+
+impl Default for HandoffSection {
+    /// The H200's device-to-device copy (4.26 TB/s counting reads and writes, so 2.13 TB/s of
+    /// bytes moved; /work GPU notes) and a fixed cost of a few launches.
+    fn default() -> Self {
+        HandoffSection {
+            copy: true,
+            bytes_per_s: 2.13e12,
+            latency: Nanos::from_micros(30),
+        }
+    }
+}
+
+impl HandoffSection {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.bytes_per_s.is_finite() && self.bytes_per_s > 0.0) {
+            return Err(ConfigError::invalid(
+                "conformance.handoff.bytes_per_s",
+                format!("{} must be a positive number", self.bytes_per_s),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The modelled time of a handoff of `bytes`.
+    pub fn predict_ns(&self, bytes: u64) -> f64 {
+        self.latency.0 as f64 + bytes as f64 / self.bytes_per_s * 1e9
+    }
+}
+
 fn deepinfer() -> HitPolicy {
     HitPolicy::Deepinfer
 }
@@ -158,9 +203,23 @@ impl ConformanceFile {
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
         let f: ConformanceFile = toml::from_str(text)
             .map_err(|e| ConfigError::invalid(origin, e.to_string().trim_end().to_string()))?;
-        f.backend.validate()?;
+        f.backend_config().validate()?;
+        f.conformance.handoff.validate()?;
         f.workload.validate()?;
         Ok(f)
+    }
+
+    /// The backend the GPU runs: `[backend]`, its pool split into one region per device of
+    /// the unit when the handoff copies.
+    pub fn backend_config(&self) -> BackendConfig {
+        let mut b = self.backend.clone();
+        if self.conformance.handoff.copy {
+            b.unit_devices = Some((
+                self.conformance.prefill.gpus,
+                self.conformance.decode.groups,
+            ));
+        }
+        b
     }
 
     /// The run's seed: `[experiment] seed` (42 when absent, as for every servelab config).
@@ -354,12 +413,12 @@ pub fn run_unit<'r, E: Environment>(
     Ok((run, report))
 }
 
-/// The unit on the virtual clock, `device` running each plan.
+/// The unit on the virtual clock, `device` running each plan and handoff.
 pub fn run_virtual(
     file: &ConformanceFile,
     profile: &HardwareProfile,
     reqs: &[Request],
-    device: &mut StepFn<'_>,
+    device: &mut dyn UnitDevice,
 ) -> Result<(RunOutcome, ServiceReport), ConformanceError> {
     run_unit(
         file,
@@ -376,6 +435,12 @@ pub struct ReplayCheck {
     pub recorded_steps: usize,
     pub replayed_steps: usize,
     pub mismatched_steps: usize,
+    /// Handoffs in the record, and asked for by the replay (checked one by one: request, size,
+    /// time).
+    #[serde(default)]
+    pub recorded_handoffs: usize,
+    #[serde(default)]
+    pub replayed_handoffs: usize,
     /// The first few mismatches, described.
     pub first_mismatches: Vec<String>,
     /// Request outcomes (first and last token times) identical to the recorded run.
@@ -397,6 +462,8 @@ pub fn replay_check(
             recorded_steps: recorded.steps.len(),
             replayed_steps: 0,
             mismatched_steps: 0,
+            recorded_handoffs: recorded.handoffs.len(),
+            replayed_handoffs: 0,
             first_mismatches: vec![
                 "no input log: recorded by the one-device engine loop before the serving unit"
                     .into(),
@@ -405,26 +472,18 @@ pub fn replay_check(
             replayable: false,
         });
     }
-    let mut out = (0, Vec::new());
+    let mut out = (0, 0, Vec::new());
     let replay = run_unit(
         file,
         profile,
         reqs,
         |_| ReplayEnv::new(recorded),
         |env| {
-            out = (env.launches(), env.mismatches);
-            RunOutcome {
-                steps: Vec::new(),
-                requests: Vec::new(),
-                end_ns: 0,
-                clock: recorded.clock,
-                admitted_in_flight: 0,
-                pinned_cpu: None,
-                inputs: Vec::new(),
-            }
+            out = (env.launches(), env.handoffs(), env.mismatches);
+            RunOutcome::empty(recorded.clock)
         },
     );
-    let (launches, mut mismatches) = out;
+    let (launches, handoffs, mut mismatches) = out;
     let outcomes_identical = match replay {
         Ok((run, _)) => run.requests == recorded.requests,
         Err(e) => {
@@ -442,6 +501,8 @@ pub fn replay_check(
         recorded_steps: recorded.steps.len(),
         replayed_steps: launches,
         mismatched_steps: mismatches.len(),
+        recorded_handoffs: recorded.handoffs.len(),
+        replayed_handoffs: handoffs,
         first_mismatches: mismatches.iter().take(5).cloned().collect(),
         outcomes_identical,
         replayable: true,
@@ -459,11 +520,13 @@ pub fn replay_record(record: &Record) -> Result<ReplayCheck, ConformanceError> {
 /// A CPU stand-in for the GPU: step times from the profile's cost models (prefill compute,
 /// decode at the verified drafts), drafts verified and accepted as the CUDA backend does them
 /// (budget dealt round-robin, each accepted with `draft_acceptance` while the prefix holds).
+/// Handoffs take the `[conformance.handoff]` model's time for the unit's bytes when one is set.
 /// For dry runs (sizing a config) and tests without a GPU.
 pub struct ModelDevice {
     profile: HardwareProfile,
     acceptance: f64,
     rng: rand_chacha::ChaCha8Rng,
+    handoff: Option<HandoffSection>,
 }
 
 impl ModelDevice {
@@ -473,7 +536,14 @@ impl ModelDevice {
             profile,
             acceptance,
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(seed),
+            handoff: None,
         }
+    }
+
+    /// Handoffs timed by `model` (None, or `copy = false`: answered at once).
+    pub fn with_handoff(mut self, model: &HandoffSection) -> Self {
+        self.handoff = model.copy.then(|| model.clone());
+        self
     }
 
     pub fn run(&mut self, plan: &StepPlan, report: &mut StepReport) -> Result<(), String> {
@@ -506,6 +576,30 @@ impl ModelDevice {
         let ns = decode_ns(&self.profile.decode, d, &verified);
         report.duration = Nanos(ns.round().max(1.0) as u64);
         Ok(())
+    }
+}
+
+impl UnitDevice for ModelDevice {
+    fn step(&mut self, plan: &StepPlan, report: &mut StepReport) -> Result<(), String> {
+        self.run(plan, report)
+    }
+    fn handoff(&mut self, job: &HandoffJob) -> Result<crate::backend::HandoffCopy, String> {
+        Ok(model_handoff(self.handoff.as_ref(), job))
+    }
+}
+
+/// A handoff as `model` times it (nothing moves without a model).
+pub fn model_handoff(
+    model: Option<&HandoffSection>,
+    job: &HandoffJob,
+) -> crate::backend::HandoffCopy {
+    match model {
+        Some(m) => crate::backend::HandoffCopy {
+            bytes: job.bytes,
+            evicted_blocks: 0,
+            duration_ns: m.predict_ns(job.bytes).round().max(1.0) as u64,
+        },
+        None => crate::backend::HandoffCopy::default(),
     }
 }
 
@@ -548,9 +642,9 @@ pub fn dry_run(file: &ConformanceFile, profile_text: &str) -> Result<Record, Con
     let profile = parse_profile(profile_text, &file.conformance.profile)?;
     let reqs = workload(file)?;
     let seed = servelab_core::seed::sub_seed(file.seed()?, "conformance.dry");
-    let mut dev = ModelDevice::new(profile.clone(), file.backend.draft_acceptance, seed);
-    let mut run = |p: &StepPlan, r: &mut StepReport| dev.run(p, r);
-    let (run, _) = run_virtual(file, &profile, &reqs, &mut run)?;
+    let mut dev = ModelDevice::new(profile.clone(), file.backend.draft_acceptance, seed)
+        .with_handoff(&file.conformance.handoff);
+    let (run, _) = run_virtual(file, &profile, &reqs, &mut dev)?;
     Ok(Record {
         config: String::new(),
         policy_profile: profile_text.to_string(),
@@ -575,9 +669,13 @@ pub fn run_on_gpu(
     let file = ConformanceFile::parse(config_text, origin)?;
     let profile = parse_profile(profile_text, &file.conformance.profile)?;
     let reqs = workload(&file)?;
+    if b.config().unit_devices != file.backend_config().unit_devices {
+        return Err(ConformanceError::Device(
+            "the backend was not built from the config's backend_config()".into(),
+        ));
+    }
     warm_up(b, &file, &profile)?;
-    let mut run = |p: &StepPlan, r: &mut StepReport| b.try_execute(p, r).map_err(|e| e.to_string());
-    let (run, _) = run_virtual(&file, &profile, &reqs, &mut run)?;
+    let (run, _) = run_virtual(&file, &profile, &reqs, b)?;
     Ok(Record {
         config: config_text.to_string(),
         policy_profile: profile_text.to_string(),
@@ -615,14 +713,11 @@ pub fn run_on_gpu_wall(
             gpu.ctx
                 .bind_to_thread()
                 .map_err(crate::backend::BackendError::from)?;
-            let mut b = CudaBackend::new(gpu, device_file.backend.clone())?;
+            let mut b = CudaBackend::new(gpu, device_file.backend_config())?;
             warm_up(&mut b, &device_file, &device_profile)?;
             Ok(b)
         })();
-        let mut b = made.map_err(|e| e.to_string())?;
-        Ok(move |plan: &StepPlan, report: &mut StepReport| {
-            b.try_execute(plan, report).map_err(|e| e.to_string())
-        })
+        made.map_err(|e| e.to_string())
     })
     .map_err(ConformanceError::Device)?;
     let (mut run, _) = run_unit(
@@ -648,8 +743,8 @@ pub fn run_on_gpu_wall(
 /// ladder of prefill chunk sizes (128 to 8,192 new tokens, cold and over a cached prefix) and
 /// of decode batch sizes (1 to `max_seqs`, six query tokens each), `warmup_steps` times. One
 /// size is not enough: kernels load lazily and cuBLAS picks per GEMM shape on first use, and
-/// activation buffers grow to the largest step seen (hw/measurements, run 11: the first cold
-/// 3–4K-token prefill steps took 2–4x their later time and set the TTFT tail). Then, with
+/// activation buffers grow to the largest step seen (without it the first cold 3–4K-token
+/// prefill steps took 2–4x their later time and set the TTFT tail). Then, with
 /// `warmup_run_seed`, a whole throwaway run of the unit under that seed.
 fn warm_up(
     b: &mut CudaBackend,
@@ -661,15 +756,19 @@ fn warm_up(
     for _ in 0..file.conformance.warmup_steps {
         for plan in &plans {
             b.try_execute(plan, &mut report)?;
+            // The handoff copy's kernels too: the prefill's KV to decode group 0.
+            if let StepPlan::Prefill(p) = plan
+                && b.config().unit_devices.is_some()
+            {
+                b.handoff(p.chunks[0].request.0, 0)?;
+            }
             b.reset();
         }
     }
     b.reset();
     if let Some(seed) = file.conformance.warmup_run_seed {
         let reqs = workload_with_seed(file, seed)?;
-        let mut run =
-            |p: &StepPlan, r: &mut StepReport| b.try_execute(p, r).map_err(|e| e.to_string());
-        run_virtual(file, profile, &reqs, &mut run)?;
+        run_virtual(file, profile, &reqs, b)?;
         b.reset();
     }
     Ok(())
@@ -714,7 +813,7 @@ fn warm_up_plans(m: &ModelShape, file: &ConformanceFile) -> Vec<StepPlan> {
             })
             .collect();
         plans.push(StepPlan::Decode(DecodePlan {
-            engine: EngineId(1),
+            engine: EngineId(0),
             ranks: vec![DecodeRankPlan {
                 seq_start: 0,
                 seq_end: batch,
@@ -821,7 +920,7 @@ mod tests {
     use servelab_core::content::{ChainBuilder, SegmentId};
     use servelab_core::engine::PrefillCostModel;
     use servelab_core::profile::TransferProfile;
-    use servelab_core::unit::DeviceId;
+    use servelab_core::unit::{DeviceId, Input};
     use servelab_core::{SessionId, TrafficClass};
     use std::sync::Arc;
 
@@ -917,8 +1016,8 @@ think_time_s = { kind = "fixed", value = 0.2 }
 
     #[test]
     fn warm_up_plans_are_valid_for_the_backend() {
-        // Run 12's first try stopped here on the device: a 128-token cold chunk with a
-        // 140-token replay. The backend's own plan check runs without a GPU.
+        // A 128-token cold chunk must not ask for a 140-token replay. The backend's own plan
+        // check runs without a GPU.
         let f = file();
         let plans = warm_up_plans(&f.backend.model, &f);
         assert!(plans.len() >= 14, "{} plans", plans.len());
@@ -1152,6 +1251,12 @@ think_time_s = { kind = "fixed", value = 0.2 }
             .unwrap();
             assert_eq!(run.clock, ClockKind::Wall);
             assert_eq!(report.completed, 9);
+            assert!(!run.handoffs.is_empty());
+            assert!(
+                run.handoffs
+                    .iter()
+                    .all(|h| h.end_ns >= h.start_ns && h.picked.is_some())
+            );
             assert!(run.admitted_in_flight >= 1);
             for s in &run.steps {
                 assert!(s.start_ns < s.end_ns, "{s:?}");
@@ -1172,17 +1277,105 @@ think_time_s = { kind = "fixed", value = 0.2 }
         }
     }
 
-    /// Loads a committed record, or None where the file has not been committed.
+    /// The handoff on the model device: every handed-off request has one record, the copy
+    /// queues behind the GPU's earlier work and `HandoffDone` comes when it ends; the replay
+    /// checks each handoff, and a record whose handoff moved is reported.
+    #[test]
+    fn handoffs_are_timed_recorded_and_replayed() {
+        let f = wide_file();
+        let reqs = workload(&f).unwrap();
+        let model = HandoffSection {
+            copy: true,
+            bytes_per_s: 1e9,
+            latency: Nanos::from_micros(200),
+        };
+        let mut dev = ModelDevice::new(profile(), 0.75, 3).with_handoff(&model);
+        let (run, report) = run_virtual(&f, &profile(), &reqs, &mut dev).unwrap();
+        assert_eq!(report.completed, 9);
+        let decoding = reqs.iter().filter(|r| r.output_tokens > 1).count();
+        assert_eq!(run.handoffs.len(), decoding);
+        for h in &run.handoffs {
+            assert!(matches!(h.from, DeviceId::Prefill(_)) && matches!(h.to, DeviceId::Decode(_)));
+            assert_eq!(h.bytes, h.unit_bytes);
+            assert_eq!(h.duration_ns, model.predict_ns(h.bytes).round() as u64);
+            assert_eq!(h.end_ns, h.start_ns + h.queued_ns + h.duration_ns, "{h:?}");
+            assert!(h.picked.is_some());
+            let fed = run
+                .inputs
+                .iter()
+                .find(|l| l.input == Input::HandoffDone(h.request))
+                .unwrap();
+            assert_eq!(fed.at_ns, h.end_ns);
+        }
+        assert!(run.handoffs.iter().any(|h| h.from == DeviceId::Prefill(1)));
+        assert!(run.handoffs.iter().any(|h| h.to == DeviceId::Decode(1)));
+        let check = replay(&f, &run);
+        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+        assert_eq!(
+            (check.recorded_handoffs, check.replayed_handoffs),
+            (decoding, decoding)
+        );
+        assert!(check.outcomes_identical);
+        // A slower copy moves the requests' decode: the record no longer replays as recorded.
+        let slow = HandoffSection {
+            bytes_per_s: 1e8,
+            ..model.clone()
+        };
+        let mut dev = ModelDevice::new(profile(), 0.75, 3).with_handoff(&slow);
+        let (slower, _) = run_virtual(&f, &profile(), &reqs, &mut dev).unwrap();
+        assert!(slower.requests[0].last_token_ns > run.requests[0].last_token_ns);
+        let mut moved = run.clone();
+        moved.handoffs[0].unit_bytes += 1;
+        let check = replay(&f, &moved);
+        assert!(
+            check
+                .first_mismatches
+                .iter()
+                .any(|m| m.contains("handoff 0")),
+            "{check:?}"
+        );
+    }
+
+    /// The config's handoff section: the default copies, errors name the field, and the
+    /// backend's pool is split by unit device only when the handoff copies.
+    #[test]
+    fn the_handoff_section_splits_the_pool() {
+        let f = wide_file();
+        assert!(f.conformance.handoff.copy);
+        assert_eq!(f.backend_config().unit_devices, Some((2, 2)));
+        assert_eq!(f.backend_config().region_blocks().len(), 4);
+        let off = CONFIG.replace(
+            "[conformance.swa]",
+            "[conformance.handoff]\ncopy = false\n\n[conformance.swa]",
+        );
+        let f = ConformanceFile::parse(&off, "c.toml").unwrap();
+        assert_eq!(f.backend_config().unit_devices, None);
+        let bad = CONFIG.replace(
+            "[conformance.swa]",
+            "[conformance.handoff]\nbytes_per_s = 0.0\n\n[conformance.swa]",
+        );
+        let e = ConformanceFile::parse(&bad, "c.toml").unwrap_err();
+        assert!(e.to_string().contains("handoff.bytes_per_s"), "{e}");
+        let bad = CONFIG.replace(
+            "[conformance.swa]",
+            "[backend]\nhbm_blocks = 64\nprefill_region_blocks = 64\n\n[conformance.swa]",
+        );
+        let e = ConformanceFile::parse(&bad, "c.toml").unwrap_err();
+        assert!(e.to_string().contains("prefill_region_blocks"), "{e}");
+    }
+
+    /// Loads a committed (gzip-compressed) record, or None where the file has not been
+    /// committed.
     fn committed(run: &str) -> Option<Record> {
         let path = format!(
-            "{}/measurements/2026-11-29-nvidia-h200-{run}-record.json",
+            "{}/measurements/2026-11-29-nvidia-h200-{run}-record.json.gz",
             env!("CARGO_MANIFEST_DIR")
         );
-        let text = std::fs::read_to_string(path).ok()?;
+        let text = crate::commands::read_text(std::path::Path::new(&path)).ok()?;
         Some(serde_json::from_str(&text).unwrap())
     }
 
-    /// The records of the one-device engine loop (H200 runs 4–19) still load, their steps
+    /// The records of the one-device engine loop (before the serving unit) still load, their steps
     /// keep their plans and times, and the replay says plainly that they have no input log.
     #[test]
     fn committed_records_of_the_old_loop_load() {

@@ -9,9 +9,17 @@
 //! - `Fetch`: the hit prefix is in the pinned host tier and the backend swaps it in inside the
 //!   prefill step (its cost is in the step), and the SWA state sits in the same host's tier,
 //!   so the prefix is ready at once.
-//! - `Handoff`: prefill and decode share the backend's one HBM pool on this GPU, so the KV is
-//!   already where decode reads it: answered at once (no device-side copy is made; a unit
-//!   spread over several GPUs would need one).
+//! - `Handoff`: each prefill engine and each decode group has its own KV region on the GPU
+//!   (`backend.unit_devices`), so the request's KV blocks and SWA ring are copied device to
+//!   device from its prefill engine's region into a decode group's, queued FIFO with the steps.
+//!   The copy's measured duration decides when `HandoffDone` comes (virtual clock: its
+//!   CUDA-event time after the GPU's earlier work; wall clock: when the device thread has done
+//!   it). The unit picks the group when `HandoffDone` arrives, so the copy goes to the group
+//!   its decode balancer would pick at the handoff (the same balancer, run on the pool's state
+//!   then); when the pick on arrival differs, the group's first step moves the KV again inside
+//!   that step, and the record says so ([`RecordedHandoff::picked`]). A device whose handoff
+//!   moves nothing (one shared pool) is answered at once.
+//! - `Finished`: the device forgets the request's state.
 //! - `WakeAt` is honoured; `Tick`s come every series interval while the run is live.
 //!
 //! Two clocks ([`ClockKind`]): virtual (time moves by the CUDA-event durations, the device on
@@ -20,16 +28,17 @@
 //! every step (planned start, device start, end, duration, plan, report) in a [`RunOutcome`];
 //! [`ReplayEnv`] feeds a record back and counts the plans that differ.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 use servelab_core::Nanos;
-use servelab_core::engine::{RankOutcome, SeqOutcome, StepPlan, StepReport};
+use servelab_core::engine::{DecodeBalancer, RankOutcome, SeqOutcome, StepPlan, StepReport};
 use servelab_core::unit::{
     DeviceId, Environment, Input, Output, RunError, ServingUnit, SharedCache,
 };
 
-use crate::clock::{ClockKind, Job, WallDevice};
+use crate::clock::{ClockKind, Job, WallDevice, Work};
+pub use crate::clock::{HandoffJob, UnitDevice};
 
 /// One executed plan and the device's answer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -68,6 +77,36 @@ impl RecordedStep {
     pub fn host_overhead_ns(&self) -> i64 {
         self.end() as i64 - self.start_ns as i64 - self.duration_ns as i64 - self.queued_ns as i64
     }
+}
+
+/// One handoff as the run carried it out.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RecordedHandoff {
+    pub request: u32,
+    /// The prefill engine whose KV region held the request.
+    pub from: DeviceId,
+    /// The decode group whose region the copy went to.
+    pub to: DeviceId,
+    /// The group the unit's decode balancer picked when the handoff arrived (None: not yet
+    /// arrived when the run ended); differs from `to` when the pool changed in between.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub picked: Option<u32>,
+    /// What the unit said moves (prompt KV and SWA state).
+    pub unit_bytes: u64,
+    /// What the device copied (whole KV blocks and the SWA ring; 0: nothing moved).
+    pub bytes: u64,
+    /// Destination blocks swapped out to make room.
+    #[serde(default)]
+    pub evicted_blocks: u32,
+    /// When the unit asked for it.
+    pub start_ns: u64,
+    /// Virtual clock: time it waited for the GPU behind earlier work.
+    #[serde(default)]
+    pub queued_ns: u64,
+    /// The device's own measurement (CUDA events).
+    pub duration_ns: u64,
+    /// When `HandoffDone` was fed (0: not fed).
+    pub end_ns: u64,
 }
 
 /// One input the unit handled. A step's end is not repeated here: `StepDone` entries name
@@ -127,9 +166,29 @@ pub struct RunOutcome {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pinned_cpu: Option<usize>,
     /// Every input the unit handled, in order (empty in records of the engine loop before the
-    /// serving unit, 2026-11-29: those replay no more, their steps still analyse).
+    /// serving unit: those replay no more, their steps still analyse).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inputs: Vec<LoggedInput>,
+    /// Every handoff, in the order the unit asked for them (empty in records of the one shared
+    /// pool, whose handoffs were answered at once).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub handoffs: Vec<RecordedHandoff>,
+}
+
+impl RunOutcome {
+    /// An empty outcome on `clock`.
+    pub fn empty(clock: ClockKind) -> Self {
+        RunOutcome {
+            steps: Vec::new(),
+            requests: Vec::new(),
+            end_ns: 0,
+            clock,
+            admitted_in_flight: 0,
+            pinned_cpu: None,
+            inputs: Vec::new(),
+            handoffs: Vec::new(),
+        }
+    }
 }
 
 /// The request table of a finished unit's report (one row per request: the unit must have
@@ -159,12 +218,10 @@ pub fn request_outcomes(
         .collect()
 }
 
-/// A device run on the caller's thread (virtual clock).
-pub type StepFn<'d> = dyn FnMut(&StepPlan, &mut StepReport) -> Result<(), String> + 'd;
-
 enum Gpu<'d> {
+    /// The device on the caller's thread.
     Virtual {
-        run: &'d mut StepFn<'d>,
+        run: &'d mut dyn UnitDevice,
         free_at: Nanos,
     },
     Wall(WallDevice<String>),
@@ -184,12 +241,22 @@ pub struct GpuEnv<'d> {
     series_interval: Nanos,
     /// Steps launched and not yet done: device → index in `run.steps`, in launch order.
     open: VecDeque<(DeviceId, usize)>,
+    /// Handoffs asked for and not yet fed back: request → index in `run.handoffs`.
+    handoffs_open: BTreeMap<u32, usize>,
+    /// The prefill engine of each request's latest chunk (where its KV is).
+    prefill_engine: BTreeMap<u32, u32>,
+    /// The unit's decode balancer, run once per `HandoffDone` fed, as the unit runs it (so a
+    /// round-robin counter stays in step); clones of it predict a handoff's group.
+    mirror: DecodeBalancer,
+    /// Requests that finished (released on the device; released again if a plan built before
+    /// they finished touched them).
+    finished: BTreeSet<u32>,
     pub run: RunOutcome,
 }
 
 impl<'d> GpuEnv<'d> {
-    /// On the virtual clock, with `run` executing one plan on the GPU (or a stand-in).
-    pub fn virtual_clock(run: &'d mut StepFn<'d>, unit: &ServingUnit<'_>) -> Self {
+    /// On the virtual clock, with `run` the GPU (or a stand-in) on this thread.
+    pub fn virtual_clock(run: &'d mut dyn UnitDevice, unit: &ServingUnit<'_>) -> Self {
         Self::new(
             Gpu::Virtual {
                 run,
@@ -215,15 +282,11 @@ impl<'d> GpuEnv<'d> {
             arrivals_done: unit.requests().is_empty(),
             series_interval: unit.config().series_interval,
             open: VecDeque::new(),
-            run: RunOutcome {
-                steps: Vec::new(),
-                requests: Vec::new(),
-                end_ns: 0,
-                clock,
-                admitted_in_flight: 0,
-                pinned_cpu: None,
-                inputs: Vec::new(),
-            },
+            handoffs_open: BTreeMap::new(),
+            prefill_engine: BTreeMap::new(),
+            mirror: DecodeBalancer::new(unit.config().decode.lb),
+            finished: BTreeSet::new(),
+            run: RunOutcome::empty(clock),
         };
         if let Some(r) = unit.requests().first() {
             env.push(r.arrival, Input::Arrival(0));
@@ -247,7 +310,7 @@ impl<'d> GpuEnv<'d> {
 
     /// Nothing is left that could produce an input for a pending request.
     fn idle(&self) -> bool {
-        self.arrivals_done && self.open.is_empty()
+        self.arrivals_done && self.open.is_empty() && self.handoffs_open.is_empty()
     }
 
     /// The next scheduled input due at or before `now` (None: `now` = no limit).
@@ -292,9 +355,137 @@ impl<'d> GpuEnv<'d> {
                 });
             }
             Input::Tick => self.push(t + self.series_interval, Input::Tick),
+            Input::HandoffDone(i) => self.handoff_fed(t, i, unit),
             _ => {}
         }
         Ok(Some(input))
+    }
+
+    /// The group the unit's decode balancer picks for request `i` now (`advance`: as the unit
+    /// does on `HandoffDone`; otherwise a prediction that leaves the balancer as it is).
+    fn pick_group(&mut self, i: u32, unit: &ServingUnit<'_>, advance: bool) -> u32 {
+        let ctx = u64::from(unit.requests()[i as usize].context_tokens());
+        let groups = unit.decode_pool().groups();
+        let g = if advance {
+            self.mirror.pick(groups, ctx).0
+        } else {
+            self.mirror.clone().pick(groups, ctx).0
+        };
+        g as u32
+    }
+
+    /// `HandoffDone(i)` is about to be fed at `t`: the handoff's end and the unit's pick.
+    fn handoff_fed(&mut self, t: Nanos, i: u32, unit: &ServingUnit<'_>) {
+        let picked = self.pick_group(i, unit, true);
+        if let Some(k) = self.handoffs_open.remove(&i) {
+            let h = &mut self.run.handoffs[k];
+            h.end_ns = t.max(self.last).0;
+            h.picked = Some(picked);
+        }
+    }
+
+    /// The unit asked for request `i`'s handoff at `now`: the device copies it to the group
+    /// the balancer would pick now (virtual: at once, answered when the copy ends on the GPU;
+    /// wall: queued for the device thread).
+    fn handoff(
+        &mut self,
+        now: Nanos,
+        i: u32,
+        bytes: u64,
+        unit: &ServingUnit<'_>,
+    ) -> Result<(), RunError> {
+        let job = HandoffJob {
+            request: i,
+            from_engine: self.prefill_engine.get(&i).copied().unwrap_or(0),
+            to_group: self.pick_group(i, unit, false),
+            bytes,
+        };
+        let k = self.run.handoffs.len();
+        self.run.handoffs.push(RecordedHandoff {
+            request: i,
+            from: DeviceId::Prefill(job.from_engine),
+            to: DeviceId::Decode(job.to_group),
+            picked: None,
+            unit_bytes: bytes,
+            bytes: 0,
+            evicted_blocks: 0,
+            start_ns: now.0,
+            queued_ns: 0,
+            duration_ns: 0,
+            end_ns: 0,
+        });
+        self.handoffs_open.insert(i, k);
+        match &mut self.gpu {
+            Gpu::Virtual { run, free_at } => {
+                let copy = run.handoff(&job).map_err(RunError::Environment)?;
+                let mut at = now;
+                if copy.duration_ns > 0 {
+                    let begin = now.max(*free_at);
+                    at = begin + Nanos(copy.duration_ns);
+                    *free_at = at;
+                    self.run.handoffs[k].queued_ns = (begin - now).0;
+                }
+                self.fill_handoff(k, &copy);
+                self.push(at, Input::HandoffDone(i));
+            }
+            Gpu::Wall(dev) => {
+                let not_before = dev.instant(now);
+                dev.submit(Job {
+                    device: DeviceId::Decode(job.to_group),
+                    work: Work::Handoff {
+                        job,
+                        copy: Default::default(),
+                    },
+                    not_before,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn fill_handoff(&mut self, k: usize, copy: &crate::backend::HandoffCopy) {
+        let h = &mut self.run.handoffs[k];
+        h.bytes = copy.bytes;
+        h.evicted_blocks = copy.evicted_blocks;
+        h.duration_ns = copy.duration_ns;
+    }
+
+    /// Tells the device to forget request `i`.
+    fn release(&mut self, i: u32) {
+        match &mut self.gpu {
+            Gpu::Virtual { run, .. } => run.release(i),
+            Gpu::Wall(dev) => {
+                let not_before = dev.instant(Nanos::ZERO);
+                dev.submit(Job {
+                    device: DeviceId::Decode(0),
+                    work: Work::Release(i),
+                    not_before,
+                });
+            }
+        }
+    }
+
+    /// After a step ran: releases again the finished requests its plan touched (a plan built
+    /// before they finished), and notes where each prefill chunk's KV is.
+    fn after_step(&mut self, plan: &StepPlan) {
+        match plan {
+            StepPlan::Prefill(p) => {
+                for c in &p.chunks {
+                    self.prefill_engine.insert(c.request.0 as u32, p.engine.0);
+                }
+            }
+            StepPlan::Decode(d) => {
+                let stale: Vec<u32> = d
+                    .seqs
+                    .iter()
+                    .map(|s| s.request.0 as u32)
+                    .filter(|r| self.finished.contains(r))
+                    .collect();
+                for r in stale {
+                    self.release(r);
+                }
+            }
+        }
     }
 
     /// The step on `device` ended (virtual: its scheduled end; wall: seen now).
@@ -366,11 +557,24 @@ impl<'d> GpuEnv<'d> {
                 continue;
             };
             let seen = dev.now();
-            let k = self.step_done(job.device, seen.max(self.last))?;
-            let (_, report) = unit.launch_mut(job.device);
-            *report = job.report;
-            self.fill_step(k, report_of(unit, job.device));
-            return Ok(Some(self.feed(seen, Input::StepDone(job.device), Some(k))));
+            match job.work {
+                Work::Step { plan, report } => {
+                    let k = self.step_done(job.device, seen.max(self.last))?;
+                    *unit.launch_mut(job.device).1 = report;
+                    self.fill_step(k, report_of(unit, job.device));
+                    self.after_step(&plan);
+                    return Ok(Some(self.feed(seen, Input::StepDone(job.device), Some(k))));
+                }
+                Work::Handoff { job: h, copy } => {
+                    if let Some(&k) = self.handoffs_open.get(&h.request) {
+                        self.fill_handoff(k, &copy);
+                    }
+                    let input = Input::HandoffDone(h.request);
+                    self.handoff_fed(seen, h.request, unit);
+                    return Ok(Some(self.feed(seen, input, None)));
+                }
+                Work::Release(_) => continue,
+            }
         }
     }
 
@@ -403,7 +607,7 @@ impl<'d> GpuEnv<'d> {
         let ran = match &mut self.gpu {
             Gpu::Virtual { run, free_at } => {
                 let begin = start.max(*free_at);
-                run(plan, report).map_err(RunError::Environment)?;
+                run.step(plan, report).map_err(RunError::Environment)?;
                 // A step always moves time forward, whatever the device says.
                 let end = begin + report.duration.max(Nanos(1));
                 *free_at = end;
@@ -412,8 +616,10 @@ impl<'d> GpuEnv<'d> {
             Gpu::Wall(dev) => {
                 let job = Job {
                     device,
-                    plan: plan.clone(),
-                    report: std::mem::take(report),
+                    work: Work::Step {
+                        plan: plan.clone(),
+                        report: std::mem::take(report),
+                    },
                     not_before: dev.instant(start),
                 };
                 dev.submit(job);
@@ -424,6 +630,8 @@ impl<'d> GpuEnv<'d> {
             self.run.steps[k].queued_ns = (begin - start).0;
             self.fill_step(k, report_of(unit, device));
             self.push(end, Input::StepDone(device));
+            let plan = unit.launch_mut(device).0.clone();
+            self.after_step(&plan);
         }
         Ok(())
     }
@@ -460,10 +668,12 @@ impl Environment for GpuEnv<'_> {
             Output::Launch { device, start } => self.launch(device, start, unit)?,
             // The host tier holds the prefix; the swap-in is part of the prefill step.
             Output::Fetch { request, .. } => self.push(now, Input::PrefixReady(request)),
-            // One HBM pool on one GPU: the KV is already where decode reads it.
-            Output::Handoff { request, .. } => self.push(now, Input::HandoffDone(request)),
+            Output::Handoff { request, bytes, .. } => self.handoff(now, request, bytes, unit)?,
             Output::WakeAt(at) => self.push(at, Input::WakeUp),
-            Output::Finished { .. } => {}
+            Output::Finished { request, .. } => {
+                self.finished.insert(request);
+                self.release(request);
+            }
         }
         Ok(())
     }
@@ -476,6 +686,8 @@ pub struct ReplayEnv<'r> {
     record: &'r RunOutcome,
     next_input: usize,
     launches: usize,
+    /// Handoffs the unit asked for so far.
+    handoffs: usize,
     last: Nanos,
     pub mismatches: Vec<String>,
 }
@@ -486,8 +698,37 @@ impl<'r> ReplayEnv<'r> {
             record,
             next_input: 0,
             launches: 0,
+            handoffs: 0,
             last: Nanos::ZERO,
             mismatches: Vec::new(),
+        }
+    }
+    /// Handoffs the unit asked for so far.
+    pub fn handoffs(&self) -> usize {
+        self.handoffs
+    }
+
+    /// The unit asks for request `request`'s handoff at `now`: the record's handoff of the same
+    /// index must be of the same request, size and time (records without handoffs, from the
+    /// shared pool, are not checked).
+    fn check_handoff(&mut self, now: Nanos, request: u32, bytes: u64) {
+        let k = self.handoffs;
+        self.handoffs += 1;
+        if self.record.handoffs.is_empty() {
+            return;
+        }
+        match self.record.handoffs.get(k) {
+            None => self.mismatches.push(format!(
+                "handoff {k} (request {request}): not in the record"
+            )),
+            Some(h) if (h.request, h.unit_bytes, h.start_ns) != (request, bytes, now.0) => {
+                self.mismatches.push(format!(
+                    "handoff {k}: request {request}, {bytes} B at {} ns; recorded request {}, \
+                     {} B at {} ns",
+                    now.0, h.request, h.unit_bytes, h.start_ns
+                ))
+            }
+            Some(_) => {}
         }
     }
     /// Launches seen so far.
@@ -533,13 +774,18 @@ impl Environment for ReplayEnv<'_> {
 
     fn apply(
         &mut self,
-        _now: Nanos,
+        now: Nanos,
         output: Output,
         unit: &mut ServingUnit<'_>,
         _shared: &SharedCache,
     ) -> Result<(), RunError> {
-        let Output::Launch { device, start } = output else {
-            return Ok(());
+        let (device, start) = match output {
+            Output::Launch { device, start } => (device, start),
+            Output::Handoff { request, bytes, .. } => {
+                self.check_handoff(now, request, bytes);
+                return Ok(());
+            }
+            _ => return Ok(()),
         };
         let k = self.launches;
         self.launches += 1;

@@ -292,13 +292,13 @@ pub fn measure_decode(
                 (32, 2, 8, 1, true, false, false),
                 (16, 2, 8, 2, false, false, false),
                 (16, 2, 4, 2, true, false, false),
-                // run4: fewer warps with headroom under the register cap (the 16-warp
-                // default spills 72 B), and 32-key tiles on padded rows
+                // fewer warps with headroom under the register cap (16 warps spill 72 B),
+                // and 32-key tiles on padded rows
                 (16, 2, 12, 1, false, false, false),
                 (16, 2, 16, 1, false, true, false),
                 (32, 2, 8, 1, false, false, false),
                 (32, 2, 6, 1, false, false, false),
-                // run6: the lazy rescale on the best run3/run4 shapes
+                // the lazy rescale on the best shapes above
                 (16, 2, 16, 1, false, false, true),
                 (16, 2, 16, 1, false, true, true),
                 (16, 2, 16, 1, true, true, true),
@@ -311,7 +311,7 @@ pub fn measure_decode(
             .into_iter()
             .map(|t| (t, false))
             .chain(
-                // run7: swapped operands (keys as the MMA's M, query rows as N): half the
+                // swapped operands (keys as the MMA's M, query rows as N): half the
                 // MMAs at group <= 8 and half the output registers, so fewer warps with more
                 // keys in flight and deeper rings become affordable
                 [

@@ -595,10 +595,10 @@ pub fn mma_config(shape: &PagedAttentionShape) -> Option<MmaConfig> {
     {
         return None;
     }
-    // Measured best on the H200 (`servelab-gpu speed` sweeps the alternatives, 2026-11-29):
-    // many warps with a two-stage cp.async ring. At d <= 128 with at most 8 heads per KV head
-    // the swapped-operand kernel with the L2 prefetch hint (run7: 85.0% of copy bandwidth at
-    // kvh 8 x group 4, vs 68.8% for the best plain tiles; 116 registers, no spills); otherwise
+    // Measured best on the H200 (`servelab-gpu speed` sweeps the alternatives): many warps
+    // with a two-stage cp.async ring. At d <= 128 with at most 8 heads per KV head the
+    // swapped-operand kernel with the L2 prefetch hint (85 % of copy bandwidth at kvh 8 x
+    // group 4, vs 69 % for the best plain tiles; 116 registers, no spills); otherwise
     // the plain kernel, where padded rows beat the swizzled three-stage ring at d 128 and at
     // d 256 the swizzled rows fit two blocks/SM.
     let cfg = if shape.d_qk <= 128 && shape.group <= 8 {
@@ -725,7 +725,7 @@ fn occupancy(f: &CudaFunction, threads: usize, smem: usize) -> usize {
 
 /// Split-size cost model, in key-equivalents per warp: the fixed cost of one split (Q load,
 /// cp.async pipeline fill, the partial write and its share of the reduce). Measured on the
-/// H200 (run4 sweep, 64 x 16K decode): 1,024-token splits beat 512 and 2,048.
+/// H200 (64 x 16K decode): 1,024-token splits beat 512 and 2,048.
 pub const SPLIT_OVERHEAD_KEYS: usize = 256;
 
 /// Tokens per split (a multiple of `granule`) for `units` independent key ranges (query row or

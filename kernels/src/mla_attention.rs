@@ -179,8 +179,8 @@ pub fn row_chunks(max_rows: usize, max_m_tiles: usize) -> (usize, usize) {
 /// The default tiles for groups of at most `max_rows` (token, head) rows.
 ///
 /// One m-tile (a single-token decode of 16 heads): 16-key tiles shared by 2 warps, two
-/// stages, four CTAs per SM. Measured best on the H200 at 64 x 16K (hw/measurements,
-/// 2026-12-01): the kernel is bound by each CTA's latency per tile (three barriers, and the
+/// stages, four CTAs per SM. Measured best on the H200 at 64 x 16K: the kernel is bound by
+/// each CTA's latency per tile (three barriers, and the
 /// fragments' loads before their MMAs), so the most CTAs per SM wins over deeper rings or
 /// register-resident Q.
 ///

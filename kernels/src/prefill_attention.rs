@@ -112,9 +112,9 @@ pub fn supports(shape: &PagedAttentionShape) -> bool {
 
 /// Default tiles for `shape`, or `None` when the kernel does not take it: 128 query rows per
 /// CTA (8 warps), 32-key tiles in a three-deep ring; at d <= 128 two CTAs per SM (128
-/// registers, no spills). Measured on the H200 (`servelab-gpu speed`, 2026-11-29, kvh 4 x
-/// group 8 x d 128, 8,192 causal tokens, two runs): 244-250 TFLOP/s, two stages 238-248 (within
-/// run-to-run noise), 64-key tiles at one CTA per SM 209-212, 64-row CTAs 197-211.
+/// registers, no spills). Measured on the H200 (`servelab-gpu speed`, kvh 4 x group 8 x d 128,
+/// 8,192 causal tokens): 244-250 TFLOP/s, two stages 238-248 (within run-to-run noise),
+/// 64-key tiles at one CTA per SM 209-212, 64-row CTAs 197-211.
 pub fn default_tiles(shape: &PagedAttentionShape) -> Option<PrefillTiles> {
     if !supports(shape) {
         return None;

@@ -279,9 +279,22 @@ impl PrefillBalancer {
     /// Engine `e`, whose queued compute is `load_ns`, asks for work. Returns one request or
     /// nothing (quota reached, or nothing to pull); call again until it returns `None`.
     pub fn pull(&mut self, now: Nanos, e: EngineId, load_ns: f64) -> Option<QueuedPrefill> {
+        match self.source(now, e, load_ns)? {
+            PullSource::Held => self.held.pop_front(),
+            PullSource::Tier(t) => self.tiers[t].pop_front(),
+        }
+    }
+
+    /// Whether [`Self::pull`] would give engine `e` a request now (nothing is taken).
+    pub fn can_pull(&mut self, now: Nanos, e: EngineId, load_ns: f64) -> bool {
+        self.source(now, e, load_ns).is_some()
+    }
+
+    /// The queue engine `e` would pull from now.
+    fn source(&mut self, now: Nanos, e: EngineId, load_ns: f64) -> Option<PullSource> {
         if !self.pulls_by_tier() {
             // Push policies pull only what they held back, whoever has room first.
-            return self.held.pop_front();
+            return (!self.held.is_empty()).then_some(PullSource::Held);
         }
         self.maybe_new_round(now);
         let PrefillLbPolicy::Tiered {
@@ -296,17 +309,26 @@ impl PrefillBalancer {
             return None;
         }
         let t = self.engine_tier[e.0 as usize];
-        if let Some(q) = self.tiers[t].pop_front() {
-            return Some(q);
+        if !self.tiers[t].is_empty() {
+            return Some(PullSource::Tier(t));
         }
         if steal_when_idle && load_ns == 0.0 {
             let oldest = (0..self.tiers.len())
                 .filter_map(|i| self.tiers[i].front().map(|q| (q.queued_at, i)))
                 .min()?;
-            return self.tiers[oldest.1].pop_front();
+            return Some(PullSource::Tier(oldest.1));
         }
         None
     }
+}
+
+/// Where a pull takes its request from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PullSource {
+    /// A push balancer's held-back requests.
+    Held,
+    /// A tier's queue.
+    Tier(usize),
 }
 
 #[cfg(test)]

@@ -16,8 +16,8 @@ use crate::error::ConfigError;
 use crate::ids::{EngineId, RequestId};
 use crate::time::Nanos;
 use crate::unit::config::PrefillPoolConfig;
-use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, HashMap};
+use std::cmp::Ordering;
+use std::collections::HashMap;
 
 /// Where a submitted request went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,11 +42,6 @@ pub struct PrefillPool {
     /// Jobs built at arrival, waiting for an engine.
     waiting: HashMap<u64, PrefillJob, KeyBuildHasher>,
     loads: Vec<f64>,
-    /// The engines that may still pull in the current pass, in pull order. An engine that
-    /// found nothing is dropped for the rest of the pass; the one that last pulled is put back
-    /// with its new key at the next [`Self::next_pull`] (only its own state changed).
-    pass: BinaryHeap<Reverse<PullKey>>,
-    last_pulled: Option<usize>,
     cost: PrefillCostModel,
     imbalance: f64,
     least_loaded: bool,
@@ -86,8 +81,6 @@ impl PrefillPool {
             started: vec![Nanos::ZERO; n],
             waiting: HashMap::default(),
             loads: vec![0.0; n],
-            pass: BinaryHeap::with_capacity(n),
-            last_pulled: None,
             cost: cost.clone(),
             imbalance: cfg.expert_imbalance,
             least_loaded: matches!(cfg.lb, PrefillLbPolicy::LeastLoaded),
@@ -184,45 +177,44 @@ impl PrefillPool {
         self.engines[e].set_ready(RequestId(i));
     }
 
-    /// Starts a pull pass: every engine with room may be asked again.
+    /// Starts a pull pass; false when no engine can pull (a push balancer holds nothing back,
+    /// or nothing is queued).
     pub fn begin_pulls(&mut self) -> bool {
-        if !self.lb.pulls() || self.lb.queued() == 0 {
-            return false;
-        }
-        self.pass.clear();
-        self.last_pulled = None;
-        for e in 0..self.engines.len() {
-            self.push_candidate(e);
-        }
-        true
-    }
-
-    fn push_candidate(&mut self, e: usize) {
-        let eng = &self.engines[e];
-        if eng.has_room() {
-            self.pass.push(Reverse(PullKey {
-                busy: eng.busy(),
-                // `+ 0.0` makes an empty engine's −0.0 sum equal to +0.0 under total order.
-                load_ns: eng.remaining_ns() + 0.0,
-                engine: e,
-            }));
-        }
+        self.lb.pulls() && self.lb.queued() > 0
     }
 
     /// The next engine to pull (idle first, then the most quota left, then index) and the
     /// request it gets; None when nothing more can be pulled in this pass.
+    ///
+    /// This is the first engine in that order whose pull succeeds: a failed pull takes
+    /// nothing, and what decides it (the engine's tier and load, the queues) only changes for
+    /// the engine that pulled, so asking the balancer only about engines that would be chosen
+    /// gives the same answer without a pass over the engines per failed pull.
     pub fn next_pull(&mut self, now: Nanos) -> Option<(usize, QueuedPrefill)> {
-        if let Some(e) = self.last_pulled.take() {
-            self.push_candidate(e);
+        if self.lb.queued() == 0 {
+            return None;
         }
-        while self.lb.queued() > 0 {
-            let Reverse(k) = self.pass.pop()?;
-            if let Some(q) = self.lb.pull(now, EngineId(k.engine as u32), k.load_ns) {
-                self.last_pulled = Some(k.engine);
-                return Some((k.engine, q));
+        let mut best: Option<PullKey> = None;
+        for (e, eng) in self.engines.iter().enumerate() {
+            if !eng.has_room() {
+                continue;
+            }
+            let key = PullKey {
+                busy: eng.busy(),
+                // `+ 0.0` makes an empty engine's −0.0 sum equal to +0.0 under total order.
+                load_ns: eng.remaining_ns() + 0.0,
+                engine: e,
+            };
+            if best.is_some_and(|b| b <= key) {
+                continue;
+            }
+            if self.lb.can_pull(now, EngineId(e as u32), key.load_ns) {
+                best = Some(key);
             }
         }
-        None
+        let k = best?;
+        let q = self.lb.pull(now, EngineId(k.engine as u32), k.load_ns)?;
+        Some((k.engine, q))
     }
 
     /// After a pull pass: the time to wake up at when queued work is left that an idle engine
@@ -289,7 +281,7 @@ impl PrefillPool {
     }
 }
 
-/// An engine's place in a pull pass: idle before busy, then the least queued compute (the most
+/// An engine's place in the pull order: idle before busy, then the least queued compute (the most
 /// quota left), then the lower index.
 #[derive(Clone, Copy, Debug)]
 struct PullKey {

@@ -32,6 +32,7 @@ pub fn run(args: Args) -> Result<()> {
             date,
             commit,
             prefix,
+            sensitivity,
         } => {
             let o = ConformanceOptions {
                 config,
@@ -43,7 +44,7 @@ pub fn run(args: Args) -> Result<()> {
                 commit,
                 prefix,
             };
-            conformance(&o, log)
+            conformance(&o, sensitivity, log)
         }
         cmd => servelab_hw::cli::run(cmd, log).map_err(|e| anyhow!("{e}")),
     }
@@ -51,13 +52,22 @@ pub fn run(args: Args) -> Result<()> {
 
 /// Records (or loads) and replays the GPU run, then compares it with the simulator's runs of
 /// the same unit; writes `conformance.md` and `conformance.json` under `out`.
-fn conformance(o: &ConformanceOptions, log: &mut dyn FnMut(&str)) -> Result<()> {
+fn conformance(o: &ConformanceOptions, sensitivity: bool, log: &mut dyn FnMut(&str)) -> Result<()> {
     let (record, _) = commands::conformance(o, log).map_err(|e| anyhow!("{e}"))?;
     let profile = match &o.profile {
         Some(spec) => HardwareProfile::resolve(spec)?,
         None => servelab_hw::conformance::parse_profile(&record.policy_profile, "record.profile")?,
     };
-    let a = crate::exp::conformance::analyze(&record, profile).map_err(|e| anyhow!("{e}"))?;
+    let mut a =
+        crate::exp::conformance::analyze(&record, profile.clone()).map_err(|e| anyhow!("{e}"))?;
+    if sensitivity {
+        a.sensitivity = crate::exp::conformance::sensitivity(
+            &record,
+            &profile,
+            &crate::exp::conformance::SENSITIVITY_FACTORS,
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+    }
     let md = crate::exp::conformance::markdown(&a);
     std::fs::create_dir_all(&o.out)?;
     let md_path = o.out.join(format!("{}conformance.md", o.prefix));
@@ -123,6 +133,7 @@ mod tests {
                 date: "d".into(),
                 commit: "c".into(),
                 prefix: String::new(),
+                sensitivity: false,
             },
         })
         .unwrap_err();

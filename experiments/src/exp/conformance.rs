@@ -5,21 +5,28 @@
 //!    plan must be identical.
 //! 2. Step time, plan by plan: the simulator's cost model ([`CostModel`]) with the measured
 //!    profile predicts each recorded plan (decode at the drafts the GPU verified).
-//! 3. Latency: the unit's report of the GPU run against the unit's report of two simulator
+//! 3. Handoff time, request by request: the measured device-to-device copy against the
+//!    config's handoff link model (`[conformance.handoff]`), which the simulator uses.
+//! 4. Latency: the unit's report of the GPU run against the unit's report of two simulator
 //!    runs of the same config and workload: the simulator's environment
 //!    (`servelab_sim::service`, `VirtualEnv` with `placement = one-gpu`: the devices share one
 //!    GPU, as on the H200), and the GPU environment on the virtual clock with the cost model as
 //!    its device.
+//! 5. What the decode steps' predicted time is made of (the cost model's terms), and how large
+//!    a uniform error of the profile the targets detect (the analysis repeated with the
+//!    profile's times scaled).
 
 use serde::Serialize;
 use servelab_core::Nanos;
 use servelab_core::engine::{Backend, StepPlan, StepReport};
 use servelab_core::profile::HardwareProfile;
+use servelab_hw::backend::HandoffCopy;
 use servelab_hw::clock::ClockKind;
+use servelab_hw::conformance::HandoffSection;
 use servelab_hw::conformance::{
     self as hwc, ConformanceError, ConformanceFile, HostOverhead, Record, ReplayCheck, percentile,
 };
-use servelab_hw::env::{RecordedStep, RunOutcome, request_outcomes};
+use servelab_hw::env::{HandoffJob, RecordedStep, RunOutcome, UnitDevice, request_outcomes};
 use servelab_sim::acceptance::AcceptanceModel;
 use servelab_sim::cost::{CostModel, SwapIn};
 use servelab_sim::service::{FetchConfig, LinkConfig, MoeImbalance, Placement, ServiceConfig};
@@ -45,7 +52,8 @@ pub fn matched_acceptance(file: &ConformanceFile) -> AcceptanceModel {
 /// The service config of the conformance unit: the same [`servelab_core::unit::UnitConfig`]
 /// (pools, policies, cost models), and an environment that matches one GPU host: the prefix
 /// is in host memory and swapped in inside the prefill step (no store read time, overlapped
-/// swap-in in the cost model), the handoff stays in one HBM pool (no link time), no MoE skew.
+/// swap-in in the cost model), the handoff a device-to-device copy timed by the config's
+/// handoff model (no link time where the pool is shared), no MoE skew.
 pub fn service_config(
     file: &ConformanceFile,
     profile: &HardwareProfile,
@@ -68,8 +76,16 @@ pub fn service_config(
             stripes: 1,
         },
         links: LinkConfig {
-            handoff_bytes_per_s_per_machine: instant,
-            handoff_latency: Nanos::ZERO,
+            handoff_bytes_per_s_per_machine: if c.handoff.copy {
+                c.handoff.bytes_per_s
+            } else {
+                instant
+            },
+            handoff_latency: if c.handoff.copy {
+                c.handoff.latency
+            } else {
+                Nanos::ZERO
+            },
             swa_pull_bytes_per_s: instant,
             swa_pull_latency: Nanos::ZERO,
         },
@@ -109,6 +125,241 @@ pub fn predict_ns(cost: &CostModel, step: &RecordedStep) -> f64 {
         StepPlan::Prefill(p) => cost.prefill_ns(p),
         StepPlan::Decode(_) => hwc::predict_decode_ns(&cost.profile().decode, step).unwrap_or(0.0),
     }
+}
+
+/// The cost model as the GPU environment's device: steps as the simulator predicts them,
+/// handoffs as the config's handoff model times them.
+pub struct CostDevice {
+    pub cost: CostModel,
+    pub handoff: Option<HandoffSection>,
+}
+
+impl UnitDevice for CostDevice {
+    fn step(&mut self, plan: &StepPlan, report: &mut StepReport) -> Result<(), String> {
+        self.cost.execute(Nanos::ZERO, plan, report);
+        Ok(())
+    }
+    fn handoff(&mut self, job: &HandoffJob) -> Result<HandoffCopy, String> {
+        Ok(hwc::model_handoff(self.handoff.as_ref(), job))
+    }
+}
+
+/// The handoffs of a run against the handoff model.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct HandoffStats {
+    pub handoffs: usize,
+    /// Handoffs whose copy moved something (0 when the pool is shared).
+    pub copied: usize,
+    /// Median bytes the unit says move, and the device copied.
+    pub unit_bytes_median: f64,
+    pub copied_bytes_median: f64,
+    /// The copy's CUDA-event time: median and P99, µs.
+    pub duration_median_us: f64,
+    pub duration_p99_us: f64,
+    /// The model's time for the unit's bytes, median µs.
+    pub predicted_median_us: f64,
+    /// |predicted / measured − 1| over the copies, and its signed median.
+    pub error: ErrorStats,
+    /// From the unit's request to `HandoffDone` (queue + copy): median and P99, µs.
+    pub wait_median_us: f64,
+    pub wait_p99_us: f64,
+    /// Handoffs whose group changed between the copy and the unit's pick.
+    pub rerouted: usize,
+}
+
+pub fn handoff_stats(run: &RunOutcome, model: &HandoffSection) -> HandoffStats {
+    let hs = &run.handoffs;
+    let copied: Vec<_> = hs.iter().filter(|h| h.duration_ns > 0).collect();
+    let us = |v: Vec<f64>, q: f64| percentile(&v, q) / 1e3;
+    let pairs: Vec<(f64, f64)> = copied
+        .iter()
+        .map(|h| (h.duration_ns as f64, model.predict_ns(h.unit_bytes)))
+        .collect();
+    let wait: Vec<f64> = hs
+        .iter()
+        .filter(|h| h.end_ns > 0)
+        .map(|h| (h.end_ns - h.start_ns) as f64)
+        .collect();
+    HandoffStats {
+        handoffs: hs.len(),
+        copied: copied.len(),
+        unit_bytes_median: percentile(
+            &hs.iter().map(|h| h.unit_bytes as f64).collect::<Vec<_>>(),
+            0.5,
+        ),
+        copied_bytes_median: percentile(
+            &copied.iter().map(|h| h.bytes as f64).collect::<Vec<_>>(),
+            0.5,
+        ),
+        duration_median_us: us(pairs.iter().map(|p| p.0).collect(), 0.5),
+        duration_p99_us: us(pairs.iter().map(|p| p.0).collect(), 0.99),
+        predicted_median_us: us(pairs.iter().map(|p| p.1).collect(), 0.5),
+        error: error_stats(&pairs),
+        wait_median_us: us(wait.clone(), 0.5),
+        wait_p99_us: us(wait, 0.99),
+        rerouted: hs
+            .iter()
+            .filter(|h| {
+                h.picked
+                    .is_some_and(|g| h.to != servelab_core::unit::DeviceId::Decode(g))
+            })
+            .count(),
+    }
+}
+
+/// Shares of the decode steps' predicted time by cost-model term, summed over the recorded
+/// decode steps (each share: the time the prediction loses without that term).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DecodeTerms {
+    pub steps: usize,
+    pub predicted_ms: f64,
+    /// Per KV token summed over the sequences, and per KV token of the longest one.
+    pub kv: f64,
+    pub base: f64,
+    pub per_seq: f64,
+    /// Per query token and per query token squared.
+    pub tokens: f64,
+    pub experts: f64,
+    /// Sequences per decode step: median, P10 and P90.
+    pub batch_median: f64,
+    pub batch_p10: f64,
+    pub batch_p90: f64,
+    /// KV tokens per sequence over the decode steps: median.
+    pub kv_per_seq_median: f64,
+}
+
+pub fn decode_terms(
+    model: &servelab_core::engine::DecodeTimeModel,
+    steps: &[RecordedStep],
+) -> DecodeTerms {
+    let decode: Vec<&RecordedStep> = steps
+        .iter()
+        .filter(|s| matches!(s.plan, StepPlan::Decode(_)))
+        .collect();
+    let total = |m: &servelab_core::engine::DecodeTimeModel| -> f64 {
+        decode
+            .iter()
+            .filter_map(|s| hwc::predict_decode_ns(m, s))
+            .sum()
+    };
+    let full = total(model);
+    let without = |f: &dyn Fn(&mut servelab_core::engine::DecodeTimeModel)| {
+        let mut m = model.clone();
+        f(&mut m);
+        if full > 0.0 {
+            1.0 - total(&m) / full
+        } else {
+            0.0
+        }
+    };
+    let batch: Vec<f64> = decode
+        .iter()
+        .filter_map(|s| match &s.plan {
+            StepPlan::Decode(d) => Some(d.seqs.len() as f64),
+            _ => None,
+        })
+        .collect();
+    let kv_per_seq: Vec<f64> = decode
+        .iter()
+        .flat_map(|s| match &s.plan {
+            StepPlan::Decode(d) => d.seqs.iter().map(|q| f64::from(q.kv_tokens)).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    DecodeTerms {
+        steps: decode.len(),
+        predicted_ms: full / 1e6,
+        kv: without(&|m| {
+            m.per_kv_token_ns = 0.0;
+            m.per_max_kv_token_ns = 0.0;
+        }),
+        base: without(&|m| m.base_ns = 0.0),
+        per_seq: without(&|m| m.per_seq_ns = 0.0),
+        tokens: without(&|m| {
+            m.per_token_ns = 0.0;
+            m.per_token_sq_ns = 0.0;
+        }),
+        experts: without(&|m| m.active_experts = None),
+        batch_median: percentile(&batch, 0.5),
+        batch_p10: percentile(&batch, 0.1),
+        batch_p90: percentile(&batch, 0.9),
+        kv_per_seq_median: percentile(&kv_per_seq, 0.5),
+    }
+}
+
+/// `p` with every time scaled by `factor` (rates divided by it): a uniform profile error.
+pub fn scaled_profile(p: &HardwareProfile, factor: f64) -> HardwareProfile {
+    let mut q = p.clone();
+    q.name = format!("{} x {factor}", p.name);
+    let pre = &mut q.prefill;
+    pre.base_ns *= factor;
+    pre.per_layer_token_ns *= factor;
+    pre.per_layer_token_ctx_ns *= factor;
+    pre.per_layer_replay_ctx_ns *= factor;
+    if let Some(a) = &mut pre.active_experts {
+        a.per_expert_ns *= factor;
+    }
+    let d = &mut q.decode;
+    d.base_ns *= factor;
+    d.per_seq_ns *= factor;
+    d.per_kv_token_ns *= factor;
+    d.per_max_kv_token_ns *= factor;
+    d.per_token_ns *= factor;
+    d.per_token_sq_ns *= factor;
+    d.dynamic_overhead_ns *= factor;
+    if let Some(a) = &mut d.active_experts {
+        a.per_expert_ns *= factor;
+    }
+    q.transfer.swap_in_bytes_per_s /= factor;
+    q.transfer.sync_gap = Nanos((q.transfer.sync_gap.0 as f64 * factor).round() as u64);
+    q
+}
+
+/// The targets with the profile scaled by `factor`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Sensitivity {
+    pub factor: f64,
+    pub step_median: f64,
+    /// TTFT P50 and P99 errors against the simulator's environment.
+    pub ttft_p50: f64,
+    pub ttft_p99: f64,
+    pub passes: bool,
+}
+
+/// The scale factors the sensitivity table tries.
+pub const SENSITIVITY_FACTORS: [f64; 6] = [0.90, 0.95, 0.97, 1.03, 1.05, 1.10];
+
+pub fn sensitivity(
+    record: &Record,
+    profile: &HardwareProfile,
+    factors: &[f64],
+) -> Result<Vec<Sensitivity>, ConformanceError> {
+    let file = ConformanceFile::parse(&record.config, "record.config")?;
+    let reqs = hwc::workload(&file)?;
+    let mut rows = Vec::new();
+    for &factor in factors {
+        let p = scaled_profile(profile, factor);
+        let steps = step_errors(&prediction_cost(&file, p.clone())?, &record.run.steps);
+        let sims = simulate(&file, &p, &reqs, &record.run)?;
+        let ttft = |label: &str| {
+            sims[0]
+                .latency
+                .iter()
+                .find(|r| r.metric == label)
+                .map_or(0.0, |r| r.error)
+        };
+        let (p50, p99) = (ttft("TTFT P50"), ttft("TTFT P99"));
+        rows.push(Sensitivity {
+            factor,
+            step_median: steps.all.abs_median,
+            ttft_p50: p50,
+            ttft_p99: p99,
+            passes: steps.all.abs_median <= STEP_ERROR_MEDIAN_TARGET
+                && p50.abs() <= TTFT_TARGET
+                && p99.abs() <= TTFT_TARGET,
+        });
+    }
+    Ok(rows)
 }
 
 /// Relative step-time errors of one kind of step.
@@ -240,8 +491,14 @@ pub struct Analysis {
     pub host: HostOverhead,
     pub replay: ReplayCheck,
     pub step_errors: StepErrors,
+    pub handoffs: HandoffStats,
+    /// The same for the GPU environment's run with the cost model as its device.
+    pub model_handoffs: HandoffStats,
+    pub decode_terms: DecodeTerms,
     /// The simulator's environment, then the GPU environment with the cost model as device.
     pub sims: Vec<SimRun>,
+    /// The targets under uniformly scaled profiles (empty unless asked for).
+    pub sensitivity: Vec<Sensitivity>,
 }
 
 /// Replays, predicts and simulates a record. `profile` is what the simulator predicts with
@@ -252,8 +509,9 @@ pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, Co
     let reqs = hwc::workload(&file)?;
     let replay = hwc::replay_check(&file, &policy, &reqs, &record.run)?;
     let step_errors = step_errors(&prediction_cost(&file, profile.clone())?, &record.run.steps);
-    let sims = simulate(&file, &profile, &reqs, &record.run)?;
+    let (sims, model_run) = simulate_with_run(&file, &profile, &reqs, &record.run)?;
     let run = &record.run;
+    let hand = &file.conformance.handoff;
     let count = |decode: bool| {
         run.steps
             .iter()
@@ -281,7 +539,11 @@ pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, Co
         host: hwc::host_overhead(run),
         replay,
         step_errors,
+        handoffs: handoff_stats(run, hand),
+        model_handoffs: handoff_stats(&model_run, hand),
+        decode_terms: decode_terms(&profile.decode, &run.steps),
         sims,
+        sensitivity: Vec::new(),
     })
 }
 
@@ -292,6 +554,16 @@ fn simulate(
     reqs: &[servelab_core::Request],
     gpu: &RunOutcome,
 ) -> Result<Vec<SimRun>, ConformanceError> {
+    Ok(simulate_with_run(file, profile, reqs, gpu)?.0)
+}
+
+/// [`simulate`], and the GPU environment's run with the cost model as its device.
+fn simulate_with_run(
+    file: &ConformanceFile,
+    profile: &HardwareProfile,
+    reqs: &[servelab_core::Request],
+    gpu: &RunOutcome,
+) -> Result<(Vec<SimRun>, RunOutcome), ConformanceError> {
     let seed = servelab_core::seed::sub_seed(file.seed()?, "conformance.sim");
     let cfg = service_config(file, profile)?;
     let report = servelab_sim::service::run_with_profile(&cfg, profile.clone(), reqs, seed)
@@ -305,10 +577,10 @@ fn simulate(
         rejected: report.rejected_total(),
         latency: latency_comparison(gpu, &sim),
     };
-    let mut cost = prediction_cost(file, profile.clone())?;
-    let mut device = |p: &StepPlan, r: &mut StepReport| {
-        cost.execute(Nanos::ZERO, p, r);
-        Ok(())
+    let hand = &file.conformance.handoff;
+    let mut device = CostDevice {
+        cost: prediction_cost(file, profile.clone())?,
+        handoff: hand.copy.then(|| hand.clone()),
     };
     let (shared, report) = hwc::run_virtual(file, profile, reqs, &mut device)?;
     let one_gpu = SimRun {
@@ -318,7 +590,7 @@ fn simulate(
         rejected: report.rejected_total(),
         latency: latency_comparison(gpu, &shared),
     };
-    Ok(vec![service, one_gpu])
+    Ok((vec![service, one_gpu], shared))
 }
 
 /// The markdown report.
@@ -338,9 +610,97 @@ pub fn markdown(a: &Analysis) -> String {
         s.push_str(&format!("- {m}\n"));
     }
     s.push_str(&step_table(&a.step_errors));
+    s.push_str(&handoff_table(&a.handoffs, &a.model_handoffs));
     for sim in &a.sims {
         s.push_str(&latency_table(sim));
     }
+    s.push_str(&terms_table(&a.decode_terms));
+    if !a.sensitivity.is_empty() {
+        s.push_str(&sensitivity_table(&a.sensitivity));
+    }
+    s
+}
+
+fn handoff_table(h: &HandoffStats, model: &HandoffStats) -> String {
+    let mut s = String::from(
+        "## 3. Handoff, request by request (device-to-device copy vs the handoff model)\n\n",
+    );
+    if h.copied == 0 {
+        s.push_str(&format!(
+            "{} handoffs, none copied (one shared pool, or a record from before the split).\n\n",
+            h.handoffs
+        ));
+        return s;
+    }
+    s.push_str(&format!(
+        "{} handoffs, {} copied; median {:.2} MB per handoff as the unit counts it, {:.2} MB \
+         copied (whole blocks and the SWA ring); {} re-routed (the unit picked another group \
+         than the copy went to).\n\n\
+         | quantity | GPU | model |\n|---|---|---|\n\
+         | copy time median µs | {:.1} | {:.1} |\n\
+         | copy time P99 µs | {:.1} | {:.1} |\n\
+         | ask to HandoffDone median µs | {:.1} | {:.1} |\n\
+         | ask to HandoffDone P99 µs | {:.1} | {:.1} |\n\n\
+         Copy time per handoff, model vs measured: median abs error {}, P90 {}, median signed {}.\n\n",
+        h.handoffs,
+        h.copied,
+        h.unit_bytes_median / 1e6,
+        h.copied_bytes_median / 1e6,
+        h.rerouted,
+        h.duration_median_us,
+        h.predicted_median_us,
+        h.duration_p99_us,
+        model.duration_p99_us,
+        h.wait_median_us,
+        model.wait_median_us,
+        h.wait_p99_us,
+        model.wait_p99_us,
+        upct(h.error.abs_median),
+        upct(h.error.abs_p90),
+        pct(h.error.signed_median),
+    ));
+    s
+}
+
+fn terms_table(t: &DecodeTerms) -> String {
+    format!(
+        "## 5. What decode time is made of (the cost model's terms over the recorded decode \
+         steps)\n\n{} decode steps, {:.1} ms predicted; sequences per step median {:.0} (P10 \
+         {:.0}, P90 {:.0}); KV tokens per sequence median {:.0}.\n\n\
+         | term | share of predicted decode time |\n|---|---|\n\
+         | KV (per KV token, and per KV token of the longest sequence) | {} |\n\
+         | base | {} |\n| per sequence | {} |\n| per query token | {} |\n\
+         | active experts | {} |\n\n",
+        t.steps,
+        t.predicted_ms,
+        t.batch_median,
+        t.batch_p10,
+        t.batch_p90,
+        t.kv_per_seq_median,
+        upct(t.kv),
+        upct(t.base),
+        upct(t.per_seq),
+        upct(t.tokens),
+        upct(t.experts),
+    )
+}
+
+fn sensitivity_table(rows: &[Sensitivity]) -> String {
+    let mut s = String::from(
+        "## 6. Sensitivity: the targets with every time of the profile scaled\n\n\
+         | scale | step-time median error | TTFT P50 | TTFT P99 | targets |\n|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {:.2} | {} | {} | {} | {} |\n",
+            r.factor,
+            upct(r.step_median),
+            pct(r.ttft_p50),
+            pct(r.ttft_p99),
+            if r.passes { "pass" } else { "**fail**" }
+        ));
+    }
+    s.push('\n');
     s
 }
 
@@ -432,7 +792,7 @@ fn step_table(e: &StepErrors) -> String {
 
 fn latency_table(sim: &SimRun) -> String {
     let mut s = format!(
-        "## 3. Latency: GPU run vs {} ({:.1} ms, {} completed, {} rejected)\n\n\
+        "## 4. Latency: GPU run vs {} ({:.1} ms, {} completed, {} rejected)\n\n\
          | metric | GPU ms | simulator ms | error |\n|---|---|---|---|\n",
         sim.environment, sim.run_ms, sim.completed, sim.rejected
     );

@@ -687,7 +687,8 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
         .iter()
         .map(|c| !b.tiers.seqs.contains_key(&c.request.0))
         .collect();
-    let blocks = b.place(&seqs, &mut moves)?;
+    let region = b.region_for(false, p.engine.0)?;
+    let blocks = b.place(&seqs, region, &mut moves)?;
     for (i, c) in p.chunks.iter().enumerate() {
         if fresh[i] && c.swap_in_bytes > 0 {
             let n = (c.prefix_tokens as usize).div_ceil(bs);
@@ -970,7 +971,8 @@ pub(super) fn decode(
         .zip(verified)
         .map(|(s, &v)| (s.request.0, s.kv_tokens as usize + 1 + v as usize))
         .collect();
-    let blocks = b.place(&seqs, &mut moves)?;
+    let region = b.region_for(true, d.engine.0)?;
+    let blocks = b.place(&seqs, region, &mut moves)?;
     b.issue_moves(&moves)?;
     let mut tokens = Vec::new();
     let mut positions = Vec::new();

@@ -83,6 +83,14 @@ pub struct BackendConfig {
     pub draft_acceptance: f64,
     /// Seed of the acceptance draw and of the token ids.
     pub seed: u64,
+    /// HBM blocks of each prefill engine's region when the pool is split by unit device
+    /// ([`Self::unit_devices`]); 0: every region gets an equal share of `hbm_blocks`.
+    pub prefill_region_blocks: usize,
+    /// The serving unit's devices sharing this GPU, (prefill engines, decode groups): the HBM
+    /// pool is split into one region per device and every region gets `ring_slots` rings
+    /// ([`tiers`]). None: one region that every plan uses (calibration, benches).
+    #[serde(skip)]
+    pub unit_devices: Option<(u32, u32)>,
 }
 
 impl Default for BackendConfig {
@@ -97,6 +105,8 @@ impl Default for BackendConfig {
             swa_host_slots: 512,
             draft_acceptance: 0.75,
             seed: 1,
+            prefill_region_blocks: 0,
+            unit_devices: None,
         }
     }
 }
@@ -129,7 +139,45 @@ impl BackendConfig {
                 "must lie in [0, 1]",
             ));
         }
+        if self.unit_devices.is_some() {
+            let blocks = self.region_blocks();
+            if blocks.contains(&0) {
+                return Err(ConfigError::invalid(
+                    "backend.prefill_region_blocks",
+                    format!(
+                        "{} blocks per prefill engine leave {:?} for the regions of the unit's \
+                         devices (raise backend.hbm_blocks = {})",
+                        self.prefill_region_blocks, blocks, self.hbm_blocks
+                    ),
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// HBM blocks of each region: prefill engines first, then decode groups (one region of
+    /// `hbm_blocks` without [`Self::unit_devices`]).
+    pub fn region_blocks(&self) -> Vec<usize> {
+        let Some((p, g)) = self.unit_devices else {
+            return vec![self.hbm_blocks];
+        };
+        let (p, g) = (p as usize, g as usize);
+        let n = (p + g).max(1);
+        let pre = if self.prefill_region_blocks > 0 {
+            self.prefill_region_blocks
+        } else {
+            self.hbm_blocks / n
+        };
+        let rest = self.hbm_blocks.saturating_sub(p * pre);
+        let dec = if g > 0 { rest / g } else { 0 };
+        let mut v = vec![pre; p];
+        v.extend(std::iter::repeat_n(dec, g));
+        v
+    }
+
+    /// Rings in all regions together.
+    fn total_ring_slots(&self) -> usize {
+        self.ring_slots * self.region_blocks().len()
     }
 
     /// Elements of one SWA ring slot: two blocks of every layer.
@@ -244,7 +292,7 @@ impl CudaBackend {
         let w = ModelWeights::random(&gpu, m)?;
         let s = &gpu.stream;
         let pool = s.alloc_zeros::<bf16>(cfg.hbm_blocks * m.block_bytes() / 2)?;
-        let rings = s.alloc_zeros::<bf16>(cfg.ring_slots * cfg.ring_slot_elems())?;
+        let rings = s.alloc_zeros::<bf16>(cfg.total_ring_slots() * cfg.ring_slot_elems())?;
         // SAFETY: pinned allocations; contents are written before any read (zeroed below).
         let mut host_pool = unsafe {
             gpu.ctx.alloc_pinned_with_flags::<u8>(
@@ -286,13 +334,7 @@ impl CudaBackend {
         } else {
             None
         };
-        let tiers = Tiers::new(
-            cfg.hbm_blocks,
-            cfg.host_blocks,
-            cfg.disk_blocks,
-            cfg.ring_slots,
-            cfg.swa_host_slots,
-        );
+        let tiers = new_tiers(&cfg);
         let accept_rng = ChaCha8Rng::seed_from_u64(sub_seed(cfg.seed, "hw.acceptance"));
         s.synchronize()?;
         Ok(Self {
@@ -373,13 +415,81 @@ impl CudaBackend {
 
     /// Forgets every sequence (blocks and rings return to the free lists).
     pub fn reset(&mut self) {
-        self.tiers = Tiers::new(
-            self.cfg.hbm_blocks,
-            self.cfg.host_blocks,
-            self.cfg.disk_blocks,
-            self.cfg.ring_slots,
-            self.cfg.swa_host_slots,
-        );
+        self.tiers = new_tiers(&self.cfg);
+    }
+
+    /// The HBM region a plan's device owns: prefill engine `e` region `e`, decode group `g`
+    /// region `prefill engines + g`; 0 for every plan of an unsplit pool.
+    pub fn region_of(&self, plan: &StepPlan) -> Result<u32, BackendError> {
+        match plan {
+            StepPlan::Prefill(x) => self.region_for(false, x.engine.0),
+            StepPlan::Decode(x) => self.region_for(true, x.engine.0),
+        }
+    }
+
+    pub(crate) fn region_for(&self, decode: bool, engine: u32) -> Result<u32, BackendError> {
+        let Some((p, g)) = self.cfg.unit_devices else {
+            return Ok(0);
+        };
+        let (region, count, kind) = if decode {
+            (p + engine, g, "decode group")
+        } else {
+            (engine, p, "prefill engine")
+        };
+        if engine >= count {
+            return Err(BackendError::Plan(format!(
+                "{kind} {engine} is not a device of the unit ({p} prefill engines, {g} decode \
+                 groups)"
+            )));
+        }
+        Ok(region)
+    }
+
+    /// The handoff of `request` to decode group `group`: its HBM blocks and SWA ring move
+    /// from the region that holds them (its prefill engine's) into the group's region by
+    /// device-to-device copies, timed with CUDA events on the compute stream like a step. Blocks
+    /// in the host tier stay there (the group's first step swaps them in). Nothing moves when
+    /// the pool is not split or the KV is already there (duration 0).
+    pub fn handoff(&mut self, request: u64, group: u32) -> Result<HandoffCopy, BackendError> {
+        let Some((p, g)) = self.cfg.unit_devices else {
+            return Ok(HandoffCopy::default());
+        };
+        if group >= g {
+            return Err(BackendError::Plan(format!(
+                "handoff to decode group {group} of {g}"
+            )));
+        }
+        let s = self.gpu.stream.clone();
+        let start = self
+            .gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = self
+            .gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        self.tiers.begin_step();
+        let mut moves = Moves::default();
+        if !self.tiers.move_to_region(request, p + group, &mut moves)? {
+            return Ok(HandoffCopy::default());
+        }
+        start.record(&s)?;
+        self.issue_moves(&moves)?;
+        s.join(&self.copy)?;
+        end.record(&s)?;
+        let ms = start.elapsed_ms(&end)? as f64;
+        let m = &self.cfg.model;
+        Ok(HandoffCopy {
+            bytes: (moves.dtod.len() * m.block_bytes()
+                + moves.ring_dtod.len() * self.cfg.ring_slot_elems() * 2) as u64,
+            evicted_blocks: moves.swap_out.len() as u32,
+            duration_ns: (ms * 1e6).round().max(1.0) as u64,
+        })
+    }
+
+    /// Forgets a finished request: its blocks, ring and SWA slot are free for others.
+    pub fn release(&mut self, request: u64) {
+        self.tiers.release(request);
     }
 
     /// One global layer's view of the pool `[block][global layer][token][row]`.
@@ -398,7 +508,7 @@ impl CudaBackend {
         KvLayout {
             block_stride: m.layers() * m.block_size * m.kv_row(),
             row_stride: m.kv_row(),
-            num_blocks: 2 * self.cfg.ring_slots,
+            num_blocks: 2 * self.cfg.total_ring_slots(),
         }
     }
 
@@ -522,6 +632,7 @@ impl CudaBackend {
                 }?;
             }
         }
+        self.issue_region_copies(moves, pool_ptr)?;
         s.join(&c)?;
         {
             let (ring_ptr, _gr) = self.rings.device_ptr(&c);
@@ -571,10 +682,57 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The device-to-device copies of sequences that move between regions, on the copy stream
+    /// (after the swap-outs and ring saves that freed their destinations).
+    fn issue_region_copies(
+        &self,
+        moves: &Moves,
+        pool_ptr: sys::CUdeviceptr,
+    ) -> Result<(), BackendError> {
+        let c = self.copy.clone();
+        if !moves.dtod.is_empty() {
+            let (src, dst): (Vec<i32>, Vec<i32>) = moves
+                .dtod
+                .iter()
+                .map(|&(a, b)| (a as i32, b as i32))
+                .unzip();
+            let (src, dst) = (c.clone_htod(&src)?, c.clone_htod(&dst)?);
+            // SAFETY: both ids come from the tiers' regions of the one pool, and no block is
+            // both a source and a destination (a moved block is free from the next step on).
+            unsafe {
+                gather_blocks_on(
+                    &self.gpu,
+                    &c,
+                    pool_ptr,
+                    &src,
+                    pool_ptr,
+                    &dst,
+                    moves.dtod.len(),
+                    self.cfg.model.block_bytes(),
+                )
+            }?;
+        }
+        let ring_bytes = self.cfg.ring_slot_elems() * 2;
+        let (ring_ptr, _gr) = self.rings.device_ptr(&c);
+        for &(a, b) in &moves.ring_dtod {
+            // SAFETY: both slots lie inside the ring buffer (slot r spans 2 ring blocks).
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    ring_ptr + (b as usize * ring_bytes) as u64,
+                    ring_ptr + (a as usize * ring_bytes) as u64,
+                    ring_bytes,
+                    c.cu_stream(),
+                )
+            }?;
+        }
+        Ok(())
+    }
+
     /// Makes every sequence of the plan resident; returns the HBM block ids per sequence.
     pub(crate) fn place(
         &mut self,
         seqs: &[(u64, usize)],
+        region: u32,
         moves: &mut Moves,
     ) -> Result<Vec<Vec<u32>>, BackendError> {
         self.tiers.begin_step();
@@ -583,7 +741,7 @@ impl CudaBackend {
         seqs.iter()
             .map(|&(r, tokens)| {
                 self.tiers
-                    .make_resident(r, tokens.div_ceil(bs), &protected, moves)
+                    .make_resident(r, tokens.div_ceil(bs), region, &protected, moves)
                     .map_err(BackendError::from)
             })
             .collect()
@@ -611,6 +769,29 @@ impl CudaBackend {
         report.ranks.extend(confidences(d, pa));
         Ok(())
     }
+}
+
+/// One handoff's device-to-device copy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HandoffCopy {
+    /// Bytes copied (KV blocks and the SWA ring).
+    pub bytes: u64,
+    /// Blocks of the destination region swapped out to make room.
+    pub evicted_blocks: u32,
+    /// CUDA-event time of the copies (0: nothing moved).
+    pub duration_ns: u64,
+}
+
+fn new_tiers(cfg: &BackendConfig) -> Tiers {
+    let blocks = cfg.region_blocks();
+    let rings = vec![cfg.ring_slots; blocks.len()];
+    Tiers::with_regions(
+        &blocks,
+        &rings,
+        cfg.host_blocks,
+        cfg.disk_blocks,
+        cfg.swa_host_slots,
+    )
 }
 
 /// Verified drafts per sequence of a decode plan: fixed = `max_drafts`; dynamic = the rank's
@@ -664,6 +845,20 @@ pub fn confidences(d: &DecodePlan, pa: f64) -> Vec<RankOutcome> {
             out
         })
         .collect()
+}
+
+/// The GPU environment's device: plans, handoff copies into the decode group's region, and
+/// releases of finished requests.
+impl crate::clock::UnitDevice for CudaBackend {
+    fn step(&mut self, plan: &StepPlan, report: &mut StepReport) -> Result<(), String> {
+        self.try_execute(plan, report).map_err(|e| e.to_string())
+    }
+    fn handoff(&mut self, job: &crate::clock::HandoffJob) -> Result<HandoffCopy, String> {
+        CudaBackend::handoff(self, u64::from(job.request), job.to_group).map_err(|e| e.to_string())
+    }
+    fn release(&mut self, request: u32) {
+        CudaBackend::release(self, u64::from(request));
+    }
 }
 
 impl Backend for CudaBackend {
@@ -754,7 +949,7 @@ mod tests {
         };
         let step = |b: &mut CudaBackend, seq: u64, blocks: usize| {
             let mut m = Moves::default();
-            let ids = b.place(&[(seq, blocks * bs)], &mut m).unwrap().remove(0);
+            let ids = b.place(&[(seq, blocks * bs)], 0, &mut m).unwrap().remove(0);
             b.issue_moves(&m).unwrap();
             (ids, m)
         };
@@ -849,6 +1044,92 @@ mod tests {
             assert!(mean <= 0.01 * scale.max(1.0), "mean diff {mean}");
         }
         b.use_prefill_kernel(true).unwrap();
+    }
+
+    /// The handoff copies a prefilled request's KV and SWA ring from the prefill engine's
+    /// region into a decode group's: a decode step on that group then gives the same logits
+    /// as on a backend with one shared pool, and the copy is timed and sized.
+    #[test]
+    fn gpu_handoff_copy_keeps_the_decode_exact() {
+        let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
+            return;
+        };
+        let gpu = Arc::new(gpu);
+        let m = tiny().model;
+        let prefill = StepPlan::Prefill(PrefillPlan {
+            engine: EngineId(0),
+            chunks: vec![PrefillChunk {
+                request: RequestId(5),
+                new_tokens: 300,
+                prefix_tokens: 0,
+                new_token_layers: m.encoder_layers as u32,
+                decoder_tokens: 140,
+                decoder_layers: m.decoder_layers as u32,
+                swap_in_bytes: 0,
+            }],
+            expert_imbalance: 1.0,
+        });
+        let decode = |group: u32| {
+            StepPlan::Decode(DecodePlan {
+                engine: EngineId(group),
+                ranks: vec![DecodeRankPlan {
+                    seq_start: 0,
+                    seq_end: 1,
+                    verify_budget: 2,
+                }],
+                seqs: vec![DecodeSeq {
+                    request: RequestId(5),
+                    kv_tokens: 301,
+                    max_drafts: 2,
+                    slot: 0,
+                }],
+                dynamic: false,
+                expert_imbalance: 1.0,
+            })
+        };
+        let mut logits = Vec::new();
+        for split in [false, true] {
+            let cfg = BackendConfig {
+                hbm_blocks: 24,
+                ring_slots: 2,
+                unit_devices: split.then_some((1, 2)),
+                ..tiny()
+            };
+            let mut b = CudaBackend::new(gpu.clone(), cfg).unwrap();
+            b.keep_logits = true;
+            let mut rep = StepReport::default();
+            b.try_execute(&prefill, &mut rep).unwrap();
+            let copy = b.handoff(5, 1).unwrap();
+            if split {
+                assert_eq!(b.tiers.region_of(5), Some(2));
+                let ring = b.cfg.ring_slot_elems() * 2;
+                assert_eq!(copy.bytes as usize, 3 * m.block_bytes() + ring);
+                assert!(copy.duration_ns > 0);
+                println!(
+                    "handoff copy: {} B in {:.1} us ({:.1} GB/s)",
+                    copy.bytes,
+                    copy.duration_ns as f64 / 1e3,
+                    copy.bytes as f64 / copy.duration_ns as f64
+                );
+                // the prefill engine's region is free again from the next step on
+                b.tiers.begin_step();
+                assert_eq!(b.tiers.hbm_free_in(0), 8);
+            } else {
+                assert_eq!(copy, HandoffCopy::default());
+            }
+            b.try_execute(&decode(if split { 1 } else { 0 }), &mut rep)
+                .unwrap();
+            logits.push(b.last_logits.clone());
+        }
+        let (a, c) = (&logits[0], &logits[1]);
+        assert_eq!(a.len(), c.len());
+        let max = a
+            .iter()
+            .zip(c)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        println!("decode after the handoff vs one shared pool: max abs logit diff {max:.3e}");
+        assert!(max <= 1e-3, "max diff {max}");
     }
 
     /// Prefill, decode with verification, and enough sequences to force swap-out and swap-in.

@@ -7,6 +7,12 @@
 //! is full, the least recently used sequences' host blocks go to disk first (the victim is
 //! dropped only when disk is full too). A disk block needed on the device is read into a host
 //! block (staging, freed at the next step) and swapped in from there.
+//!
+//! HBM blocks and rings are split into regions, one per device of the serving unit that shares
+//! the GPU (each prefill engine and each decode group its own KV pool): a sequence's HBM blocks
+//! and ring lie in one region, evictions stay inside the region that needs room, and a sequence
+//! placed in another region moves there by device-to-device copies ([`Moves::dtod`]). Host,
+//! disk and SWA host slots are one shared tier.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -30,6 +36,8 @@ pub struct SeqPlacement {
     pub ring_valid_to: usize,
     /// Logical clock of the last step that touched the sequence (LRU order).
     pub last_used: u64,
+    /// The region holding its HBM blocks and ring.
+    pub region: u32,
 }
 
 /// Copies one step needs, in block/slot ids.
@@ -48,6 +56,11 @@ pub struct Moves {
     pub host_to_disk: Vec<(u32, u32)>,
     /// (disk block, host block): read back into a host block, before the swap-in that reads it.
     pub disk_to_host: Vec<(u32, u32)>,
+    /// (HBM block, HBM block) in another region: a device-to-device copy, after the swap-outs
+    /// (an evicted block may be the destination) and before the swap-ins.
+    pub dtod: Vec<(u32, u32)>,
+    /// (ring slot, ring slot) in another region, ordered as `dtod`.
+    pub ring_dtod: Vec<(u32, u32)>,
 }
 
 impl Moves {
@@ -58,6 +71,8 @@ impl Moves {
             && self.ring_in.is_empty()
             && self.host_to_disk.is_empty()
             && self.disk_to_host.is_empty()
+            && self.dtod.is_empty()
+            && self.ring_dtod.is_empty()
     }
 }
 
@@ -69,6 +84,8 @@ pub enum TierError {
     HbmFull { needed: usize, capacity: usize },
     #[error("a step touches more sequences than the {0} SWA ring slots (raise backend.ring_slots)")]
     RingsFull(usize),
+    #[error("region {region} does not exist (the pool has {regions})")]
+    NoRegion { region: u32, regions: usize },
     #[error(
         "a step reads {needed} blocks from disk but only {free} host blocks can stage them (raise backend.host_blocks)"
     )]
@@ -78,7 +95,11 @@ pub enum TierError {
 /// The block and ring allocator of both tiers.
 #[derive(Debug, Clone)]
 pub struct Tiers {
-    hbm_free: BTreeSet<u32>,
+    /// Free HBM blocks of each region.
+    hbm_free: Vec<BTreeSet<u32>>,
+    /// HBM blocks and rings left by sequences that moved to another region this step: free from
+    /// the next step on (a copy of this step may still read them).
+    moved_pending: Vec<(u32, Option<u32>, Option<u32>)>,
     host_free: BTreeSet<u32>,
     /// Host blocks read by this step's swap-ins, free from the next step on.
     host_pending: Vec<u32>,
@@ -89,10 +110,10 @@ pub struct Tiers {
     /// Disk blocks read by this step, free from the next step on (a later write in the same
     /// step must not overtake the read).
     disk_pending: Vec<u32>,
-    ring_free: BTreeSet<u32>,
+    ring_free: Vec<BTreeSet<u32>>,
     swa_host_free: BTreeSet<u32>,
-    hbm_blocks: usize,
-    ring_slots: usize,
+    hbm_blocks: Vec<usize>,
+    ring_slots: Vec<usize>,
     pub seqs: BTreeMap<u64, SeqPlacement>,
     clock: u64,
 }
@@ -105,25 +126,76 @@ impl Tiers {
         ring_slots: usize,
         swa_host_slots: usize,
     ) -> Self {
+        Self::with_regions(
+            &[hbm_blocks],
+            &[ring_slots],
+            host_blocks,
+            disk_blocks,
+            swa_host_slots,
+        )
+    }
+
+    /// HBM blocks and rings split into regions (`hbm_blocks[r]` blocks and `ring_slots[r]`
+    /// rings in region `r`, numbered consecutively); the host, disk and SWA host tiers shared.
+    pub fn with_regions(
+        hbm_blocks: &[usize],
+        ring_slots: &[usize],
+        host_blocks: usize,
+        disk_blocks: usize,
+        swa_host_slots: usize,
+    ) -> Self {
         let set = |n: usize| (0..n as u32).collect::<BTreeSet<_>>();
+        let ranges = |sizes: &[usize]| {
+            let mut base = 0u32;
+            sizes
+                .iter()
+                .map(|&n| {
+                    let r = (base..base + n as u32).collect::<BTreeSet<_>>();
+                    base += n as u32;
+                    r
+                })
+                .collect::<Vec<_>>()
+        };
         Self {
-            hbm_free: set(hbm_blocks),
+            hbm_free: ranges(hbm_blocks),
+            moved_pending: Vec::new(),
             host_free: set(host_blocks),
             host_pending: Vec::new(),
             host_fresh: BTreeSet::new(),
             disk_free: set(disk_blocks),
             disk_pending: Vec::new(),
-            ring_free: set(ring_slots),
+            ring_free: ranges(ring_slots),
             swa_host_free: set(swa_host_slots),
-            hbm_blocks,
-            ring_slots,
+            hbm_blocks: hbm_blocks.to_vec(),
+            ring_slots: ring_slots.to_vec(),
             seqs: BTreeMap::new(),
             clock: 0,
         }
     }
 
+    pub fn regions(&self) -> usize {
+        self.hbm_blocks.len()
+    }
+
+    /// Free HBM blocks over every region.
     pub fn hbm_free(&self) -> usize {
-        self.hbm_free.len()
+        self.hbm_free.iter().map(BTreeSet::len).sum()
+    }
+
+    /// Free HBM blocks of one region.
+    pub fn hbm_free_in(&self, region: u32) -> usize {
+        self.hbm_free.get(region as usize).map_or(0, BTreeSet::len)
+    }
+
+    fn check_region(&self, region: u32) -> Result<(), TierError> {
+        if (region as usize) < self.regions() {
+            Ok(())
+        } else {
+            Err(TierError::NoRegion {
+                region,
+                regions: self.regions(),
+            })
+        }
     }
 
     /// Starts a step: the LRU clock advances once per step. Within a step the backend runs
@@ -131,6 +203,14 @@ impl Tiers {
     /// HBM blocks and rings are reused in the same step.
     pub fn begin_step(&mut self) {
         self.clock += 1;
+        for (region, block, ring) in self.moved_pending.drain(..) {
+            if let Some(b) = block {
+                self.hbm_free[region as usize].insert(b);
+            }
+            if let Some(r) = ring {
+                self.ring_free[region as usize].insert(r);
+            }
+        }
         self.host_free.extend(self.host_pending.drain(..));
         self.disk_free.extend(self.disk_pending.drain(..));
         self.host_fresh.clear();
@@ -144,19 +224,32 @@ impl Tiers {
         self.disk_free.len()
     }
 
-    /// Makes `seq`'s blocks `[0, blocks)` resident in HBM and gives it a ring, evicting
-    /// sequences not in `protected` (least recently used first) as needed. New blocks are
-    /// allocated; blocks in host memory are swapped in. Returns the HBM id of every block.
+    /// Makes `seq`'s blocks `[0, blocks)` resident in HBM region `region` and gives it a ring
+    /// there, evicting sequences of that region not in `protected` (least recently used first)
+    /// as needed. New blocks are allocated; blocks in host memory are swapped in; a sequence
+    /// held by another region moves ([`Self::relocate`]). Returns the HBM id of every block.
     pub fn make_resident(
         &mut self,
         seq: u64,
         blocks: usize,
+        region: u32,
         protected: &BTreeSet<u64>,
         moves: &mut Moves,
     ) -> Result<Vec<u32>, TierError> {
+        self.check_region(region)?;
         let clock = self.clock;
-        let mut st = self.seqs.remove(&seq).unwrap_or_default();
+        let mut st = self.seqs.remove(&seq).unwrap_or(SeqPlacement {
+            region,
+            ..SeqPlacement::default()
+        });
         st.last_used = clock;
+        if st.region != region
+            && let Err(e) = self.relocate(&mut st, region, protected, moves)
+        {
+            self.seqs.insert(seq, st);
+            return Err(e);
+        }
+        let r = region as usize;
         let need_hbm = blocks.saturating_sub(
             st.blocks
                 .iter()
@@ -164,19 +257,20 @@ impl Tiers {
                 .filter(|b| matches!(b, BlockLoc::Hbm(_)))
                 .count(),
         );
-        if need_hbm > self.hbm_blocks {
+        let capacity = self.hbm_blocks[r];
+        if need_hbm > capacity {
             self.seqs.insert(seq, st);
             return Err(TierError::HbmFull {
                 needed: need_hbm,
-                capacity: self.hbm_blocks,
+                capacity,
             });
         }
-        while self.hbm_free.len() < need_hbm {
-            if !self.evict_blocks(protected, moves) {
+        while self.hbm_free[r].len() < need_hbm {
+            if !self.evict_blocks(region, protected, moves) {
                 self.seqs.insert(seq, st);
                 return Err(TierError::HbmFull {
                     needed: need_hbm,
-                    capacity: self.hbm_blocks,
+                    capacity,
                 });
             }
         }
@@ -203,7 +297,7 @@ impl Tiers {
             let id = match st.blocks.get(i).copied() {
                 Some(BlockLoc::Hbm(id)) => id,
                 Some(BlockLoc::Disk(d)) => {
-                    let id = self.hbm_free.pop_first().expect("reserved above");
+                    let id = self.hbm_free[r].pop_first().expect("reserved above");
                     let h = self.host_free.pop_first().expect("made room above");
                     moves.disk_to_host.push((d, h));
                     moves.swap_in.push((h, id));
@@ -213,7 +307,7 @@ impl Tiers {
                     id
                 }
                 Some(BlockLoc::Host(h)) => {
-                    let id = self.hbm_free.pop_first().expect("reserved above");
+                    let id = self.hbm_free[r].pop_first().expect("reserved above");
                     moves.swap_in.push((h, id));
                     // Freed at the next step: this step's swap-outs must not overwrite it.
                     self.host_pending.push(h);
@@ -221,7 +315,7 @@ impl Tiers {
                     id
                 }
                 None => {
-                    let id = self.hbm_free.pop_first().expect("reserved above");
+                    let id = self.hbm_free[r].pop_first().expect("reserved above");
                     st.blocks.push(BlockLoc::Hbm(id));
                     id
                 }
@@ -229,20 +323,121 @@ impl Tiers {
             ids.push(id);
         }
         if st.ring.is_none() {
-            if self.ring_free.is_empty() && !self.evict_ring(protected, moves) {
+            if self.ring_free[r].is_empty() && !self.evict_ring(region, protected, moves) {
                 self.seqs.insert(seq, st);
-                return Err(TierError::RingsFull(self.ring_slots));
+                return Err(TierError::RingsFull(self.ring_slots[r]));
             }
-            let r = self.ring_free.pop_first().expect("freed above");
+            let slot = self.ring_free[r].pop_first().expect("freed above");
             if let Some(h) = st.swa_host {
-                moves.ring_in.push((h, r));
+                moves.ring_in.push((h, slot));
             } else {
                 st.ring_valid_to = 0;
             }
-            st.ring = Some(r);
+            st.ring = Some(slot);
         }
         self.seqs.insert(seq, st);
         Ok(ids)
+    }
+
+    /// Moves `st`'s HBM blocks and ring into region `to` (device-to-device copies, after
+    /// evicting unprotected sequences of `to` as needed); its blocks elsewhere stay where they
+    /// are. The blocks and ring it leaves are free from the next step on.
+    fn relocate(
+        &mut self,
+        st: &mut SeqPlacement,
+        to: u32,
+        protected: &BTreeSet<u64>,
+        moves: &mut Moves,
+    ) -> Result<(), TierError> {
+        let r = to as usize;
+        let on_hbm = st
+            .blocks
+            .iter()
+            .filter(|b| matches!(b, BlockLoc::Hbm(_)))
+            .count();
+        let capacity = self.hbm_blocks[r];
+        while self.hbm_free[r].len() < on_hbm {
+            if !self.evict_blocks(to, protected, moves) {
+                return Err(TierError::HbmFull {
+                    needed: on_hbm,
+                    capacity,
+                });
+            }
+        }
+        if st.ring.is_some()
+            && self.ring_free[r].is_empty()
+            && !self.evict_ring(to, protected, moves)
+        {
+            return Err(TierError::RingsFull(self.ring_slots[r]));
+        }
+        let from = st.region;
+        for b in st.blocks.iter_mut() {
+            if let BlockLoc::Hbm(id) = *b {
+                let new = self.hbm_free[r].pop_first().expect("freed above");
+                moves.dtod.push((id, new));
+                self.moved_pending.push((from, Some(id), None));
+                *b = BlockLoc::Hbm(new);
+            }
+        }
+        if let Some(old) = st.ring {
+            let new = self.ring_free[r].pop_first().expect("freed above");
+            moves.ring_dtod.push((old, new));
+            self.moved_pending.push((from, None, Some(old)));
+            st.ring = Some(new);
+        }
+        st.region = to;
+        Ok(())
+    }
+
+    /// Moves `seq`'s HBM blocks and ring into region `to` (the handoff from a prefill engine's
+    /// pool to a decode group's); false when the sequence is unknown or already there.
+    pub fn move_to_region(
+        &mut self,
+        seq: u64,
+        to: u32,
+        moves: &mut Moves,
+    ) -> Result<bool, TierError> {
+        self.check_region(to)?;
+        let Some(mut st) = self.seqs.remove(&seq) else {
+            return Ok(false);
+        };
+        if st.region == to {
+            self.seqs.insert(seq, st);
+            return Ok(false);
+        }
+        st.last_used = self.clock;
+        let moved = self.relocate(&mut st, to, &BTreeSet::from([seq]), moves);
+        self.seqs.insert(seq, st);
+        moved.map(|()| true)
+    }
+
+    /// Forgets `seq` (a finished request): its blocks, ring and SWA host slot are free again.
+    /// Called between steps, so nothing in flight reads them.
+    pub fn release(&mut self, seq: u64) {
+        let Some(st) = self.seqs.remove(&seq) else {
+            return;
+        };
+        let r = st.region as usize;
+        for b in st.blocks {
+            match b {
+                BlockLoc::Hbm(id) => {
+                    self.hbm_free[r].insert(id);
+                }
+                BlockLoc::Host(h) => self.host_pending.push(h),
+                BlockLoc::Disk(d) => self.disk_pending.push(d),
+            }
+        }
+        if let Some(slot) = st.ring {
+            self.ring_free[r].insert(slot);
+        }
+        if let Some(h) = st.swa_host {
+            self.swa_host_free.insert(h);
+        }
+    }
+
+    /// The region holding `seq`, if the tiers know it.
+    pub fn region_of(&self, seq: u64) -> Option<u32> {
+        self.seqs.get(&seq).map(|st| st.region)
     }
 
     /// Saves `seq`'s ring to a host SWA slot (the SWA store after prefill); keeps the ring.
@@ -274,9 +469,9 @@ impl Tiers {
     /// Moves the LRU unprotected sequence's HBM blocks to host, or drops the sequence's KV
     /// when the host pool cannot take them all (that sequence then starts from scratch). False
     /// when nothing can be evicted.
-    fn evict_blocks(&mut self, protected: &BTreeSet<u64>, moves: &mut Moves) -> bool {
+    fn evict_blocks(&mut self, region: u32, protected: &BTreeSet<u64>, moves: &mut Moves) -> bool {
         let Some(victim) = self.lru_victim(protected, |st| {
-            st.blocks.iter().any(|b| matches!(b, BlockLoc::Hbm(_)))
+            st.region == region && st.blocks.iter().any(|b| matches!(b, BlockLoc::Hbm(_)))
         }) else {
             return false;
         };
@@ -299,7 +494,7 @@ impl Tiers {
                     moves.swap_out.push((id, h));
                     self.host_fresh.insert(h);
                     *b = BlockLoc::Host(h);
-                    self.hbm_free.insert(id);
+                    self.hbm_free[region as usize].insert(id);
                 }
             }
         } else {
@@ -308,7 +503,7 @@ impl Tiers {
             for b in blocks {
                 match b {
                     BlockLoc::Hbm(id) => {
-                        self.hbm_free.insert(id);
+                        self.hbm_free[region as usize].insert(id);
                     }
                     BlockLoc::Host(h) => self.host_pending.push(h),
                     BlockLoc::Disk(d) => self.disk_pending.push(d),
@@ -352,10 +547,11 @@ impl Tiers {
             } else {
                 let blocks: Vec<BlockLoc> = st.blocks.drain(..).collect();
                 st.ring_valid_to = 0;
+                let region = st.region as usize;
                 for b in blocks {
                     match b {
                         BlockLoc::Hbm(id) => {
-                            self.hbm_free.insert(id);
+                            self.hbm_free[region].insert(id);
                         }
                         // not read this step (the victim is not protected) nor written
                         // (no fresh block): free at once
@@ -370,8 +566,10 @@ impl Tiers {
         true
     }
 
-    fn evict_ring(&mut self, protected: &BTreeSet<u64>, moves: &mut Moves) -> bool {
-        let Some(victim) = self.lru_victim(protected, |st| st.ring.is_some()) else {
+    fn evict_ring(&mut self, region: u32, protected: &BTreeSet<u64>, moves: &mut Moves) -> bool {
+        let Some(victim) =
+            self.lru_victim(protected, |st| st.region == region && st.ring.is_some())
+        else {
             return false;
         };
         let st = self.seqs.get_mut(&victim).expect("victim exists");
@@ -383,7 +581,7 @@ impl Tiers {
             Some(h) => moves.ring_out.push((r, h)),
             None => st.ring_valid_to = 0,
         }
-        self.ring_free.insert(r);
+        self.ring_free[region as usize].insert(r);
         true
     }
 }
@@ -398,8 +596,11 @@ mod tests {
         let mut m = Moves::default();
         t.begin_step();
         let p = BTreeSet::from([1u64]);
-        assert_eq!(t.make_resident(1, 3, &p, &mut m).unwrap(), vec![0, 1, 2]);
-        assert_eq!(t.make_resident(1, 4, &p, &mut m).unwrap(), vec![0, 1, 2, 3]);
+        assert_eq!(t.make_resident(1, 3, 0, &p, &mut m).unwrap(), vec![0, 1, 2]);
+        assert_eq!(
+            t.make_resident(1, 4, 0, &p, &mut m).unwrap(),
+            vec![0, 1, 2, 3]
+        );
         assert!(m.is_empty());
         assert_eq!(t.hbm_free(), 4);
     }
@@ -409,18 +610,24 @@ mod tests {
         let mut t = Tiers::new(4, 8, 0, 2, 2);
         let mut m = Moves::default();
         t.begin_step();
-        t.make_resident(1, 3, &BTreeSet::from([1]), &mut m).unwrap();
+        t.make_resident(1, 3, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
         t.begin_step();
-        t.make_resident(2, 1, &BTreeSet::from([2]), &mut m).unwrap();
+        t.make_resident(2, 1, 0, &BTreeSet::from([2]), &mut m)
+            .unwrap();
         t.begin_step();
         // seq 3 needs 2 blocks: only seq 1 (LRU) is evicted, its 3 blocks go to host 0..3
-        let ids = t.make_resident(3, 2, &BTreeSet::from([3]), &mut m).unwrap();
+        let ids = t
+            .make_resident(3, 2, 0, &BTreeSet::from([3]), &mut m)
+            .unwrap();
         assert_eq!(m.swap_out, vec![(0, 0), (1, 1), (2, 2)]);
         assert_eq!(ids, vec![0, 1]);
         let mut m = Moves::default();
         t.begin_step();
         // seq 1 returns: its host blocks 0..3 are swapped back in
-        let ids = t.make_resident(1, 3, &BTreeSet::from([1]), &mut m).unwrap();
+        let ids = t
+            .make_resident(1, 3, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
         // one free block: seq 2 (LRU) and then seq 3 go out to host blocks 3, 4, 5
         assert_eq!(m.swap_out, vec![(3, 3), (0, 4), (1, 5)]);
         assert_eq!(
@@ -437,9 +644,11 @@ mod tests {
         let mut t = Tiers::new(2, 1, 0, 2, 2);
         let mut m = Moves::default();
         t.begin_step();
-        t.make_resident(1, 2, &BTreeSet::from([1]), &mut m).unwrap();
+        t.make_resident(1, 2, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
         t.begin_step();
-        t.make_resident(2, 2, &BTreeSet::from([2]), &mut m).unwrap();
+        t.make_resident(2, 2, 0, &BTreeSet::from([2]), &mut m)
+            .unwrap();
         assert!(m.swap_out.is_empty());
         assert!(t.seqs[&1].blocks.is_empty());
     }
@@ -448,7 +657,7 @@ mod tests {
     fn a_step_larger_than_the_pool_is_an_error() {
         let mut t = Tiers::new(2, 2, 0, 1, 1);
         let e = t
-            .make_resident(1, 3, &BTreeSet::from([1]), &mut Moves::default())
+            .make_resident(1, 3, 0, &BTreeSet::from([1]), &mut Moves::default())
             .unwrap_err();
         assert_eq!(
             e,
@@ -466,18 +675,21 @@ mod tests {
         let one = |s: u64| BTreeSet::from([s]);
         let mut m = Moves::default();
         t.begin_step();
-        assert_eq!(t.make_resident(1, 2, &one(1), &mut m).unwrap(), vec![0, 1]);
+        assert_eq!(
+            t.make_resident(1, 2, 0, &one(1), &mut m).unwrap(),
+            vec![0, 1]
+        );
         let mut m = Moves::default();
         t.begin_step();
         // seq 2 takes all 4 HBM blocks: seq 1 goes to host 0, 1
-        t.make_resident(2, 4, &one(2), &mut m).unwrap();
+        t.make_resident(2, 4, 0, &one(2), &mut m).unwrap();
         assert_eq!(m.swap_out, vec![(0, 0), (1, 1)]);
         assert!(m.host_to_disk.is_empty());
         let mut m = Moves::default();
         t.begin_step();
         // seq 3 evicts seq 2 (4 blocks): the host pool is full, so seq 1's host blocks spill
         // to disk 0, 1 first; 2 free host blocks still cannot take 4, so seq 2 is dropped
-        t.make_resident(3, 4, &one(3), &mut m).unwrap();
+        t.make_resident(3, 4, 0, &one(3), &mut m).unwrap();
         assert_eq!(m.host_to_disk, vec![(0, 0), (1, 1)]);
         assert!(m.swap_out.is_empty());
         assert_eq!(
@@ -491,7 +703,7 @@ mod tests {
         // seq 1 returns: seq 3 (4 HBM blocks) must leave; 2 host blocks cannot take it and no
         // other host blocks can spill (seq 1 is protected), so it is dropped; seq 1's disk
         // blocks are staged through host 0, 1 and swapped in
-        let ids = t.make_resident(1, 2, &one(1), &mut m).unwrap();
+        let ids = t.make_resident(1, 2, 0, &one(1), &mut m).unwrap();
         assert_eq!(ids, vec![0, 1]);
         assert_eq!(m.disk_to_host, vec![(0, 0), (1, 1)]);
         assert_eq!(m.swap_in, vec![(0, 0), (1, 1)]);
@@ -509,18 +721,20 @@ mod tests {
         let mut t = Tiers::new(4, 2, 4, 4, 4);
         let mut m = Moves::default();
         t.begin_step();
-        t.make_resident(1, 2, &BTreeSet::from([1]), &mut m).unwrap();
+        t.make_resident(1, 2, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
         t.begin_step();
-        t.make_resident(4, 2, &BTreeSet::from([4]), &mut m).unwrap();
+        t.make_resident(4, 2, 0, &BTreeSet::from([4]), &mut m)
+            .unwrap();
         let mut m = Moves::default();
         t.begin_step();
         let both = BTreeSet::from([2, 3]);
         // seq 2 evicts seq 1 to host 0, 1 (written by this step's swap-out)
-        t.make_resident(2, 2, &both, &mut m).unwrap();
+        t.make_resident(2, 2, 0, &both, &mut m).unwrap();
         assert_eq!(m.swap_out, vec![(0, 0), (1, 1)]);
         // seq 3 evicts seq 4 with the host pool full: seq 1's host blocks hold no data yet,
         // so they must not spill to disk; seq 4 is dropped instead
-        t.make_resident(3, 2, &both, &mut m).unwrap();
+        t.make_resident(3, 2, 0, &both, &mut m).unwrap();
         assert!(m.host_to_disk.is_empty());
         assert_eq!(
             t.seqs[&1].blocks,
@@ -534,7 +748,8 @@ mod tests {
         let mut t = Tiers::new(4, 2, 4, 4, 4);
         let mut m = Moves::default();
         t.begin_step();
-        t.make_resident(1, 2, &BTreeSet::from([1]), &mut m).unwrap();
+        t.make_resident(1, 2, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
         t.seqs.get_mut(&1).unwrap().blocks = vec![BlockLoc::Disk(0), BlockLoc::Disk(1)];
         // host blocks 0, 1 held by seq 2, which is protected in the same step
         t.seqs.insert(
@@ -546,7 +761,7 @@ mod tests {
         );
         t.host_free.clear();
         let e = t
-            .make_resident(1, 2, &BTreeSet::from([1, 2]), &mut m)
+            .make_resident(1, 2, 0, &BTreeSet::from([1, 2]), &mut m)
             .unwrap_err();
         assert_eq!(e, TierError::HostFull { needed: 2, free: 0 });
     }
@@ -556,15 +771,128 @@ mod tests {
         let mut t = Tiers::new(8, 8, 0, 1, 2);
         let mut m = Moves::default();
         t.begin_step();
-        t.make_resident(1, 1, &BTreeSet::from([1]), &mut m).unwrap();
+        t.make_resident(1, 1, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
         t.seqs.get_mut(&1).unwrap().ring_valid_to = 300;
         t.begin_step();
-        t.make_resident(2, 1, &BTreeSet::from([2]), &mut m).unwrap();
+        t.make_resident(2, 1, 0, &BTreeSet::from([2]), &mut m)
+            .unwrap();
         assert_eq!(m.ring_out, vec![(0, 0)]);
         let mut m = Moves::default();
         t.begin_step();
-        t.make_resident(1, 1, &BTreeSet::from([1]), &mut m).unwrap();
+        t.make_resident(1, 1, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
         assert_eq!(m.ring_in, vec![(0, 0)]);
         assert_eq!(t.seqs[&1].ring_valid_to, 300);
+    }
+
+    /// Two regions: each allocates from its own id range and evicts only its own sequences.
+    #[test]
+    fn regions_allocate_and_evict_apart() {
+        let mut t = Tiers::with_regions(&[2, 3], &[1, 1], 8, 0, 4);
+        let mut m = Moves::default();
+        t.begin_step();
+        assert_eq!(
+            t.make_resident(1, 2, 0, &BTreeSet::from([1]), &mut m)
+                .unwrap(),
+            vec![0, 1]
+        );
+        assert_eq!(
+            t.make_resident(2, 3, 1, &BTreeSet::from([2]), &mut m)
+                .unwrap(),
+            vec![2, 3, 4]
+        );
+        assert!(m.is_empty());
+        t.begin_step();
+        // region 0 is full: seq 3 evicts seq 1 (region 0), not seq 2 (LRU too, but region 1)
+        t.make_resident(3, 1, 0, &BTreeSet::from([3]), &mut m)
+            .unwrap();
+        assert_eq!(m.swap_out.len(), 2);
+        assert!(
+            t.seqs[&2]
+                .blocks
+                .iter()
+                .all(|b| matches!(b, BlockLoc::Hbm(_)))
+        );
+        assert_eq!(t.region_of(3), Some(0));
+        let e = t
+            .make_resident(4, 4, 1, &BTreeSet::from([4]), &mut Moves::default())
+            .unwrap_err();
+        assert_eq!(
+            e,
+            TierError::HbmFull {
+                needed: 4,
+                capacity: 3
+            }
+        );
+        assert!(matches!(
+            t.make_resident(5, 1, 2, &BTreeSet::new(), &mut Moves::default()),
+            Err(TierError::NoRegion {
+                region: 2,
+                regions: 2
+            })
+        ));
+    }
+
+    /// A handoff moves the HBM blocks and the ring into the other region by device copies;
+    /// the blocks it left are free from the next step on; a release frees everything.
+    #[test]
+    fn move_to_region_copies_and_frees_the_old_blocks_a_step_later() {
+        let mut t = Tiers::with_regions(&[3, 3], &[1, 1], 8, 0, 4);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 2, 0, &BTreeSet::from([1]), &mut m)
+            .unwrap();
+        let mut m = Moves::default();
+        assert!(t.move_to_region(1, 1, &mut m).unwrap());
+        assert_eq!(m.dtod, vec![(0, 3), (1, 4)]);
+        assert_eq!(m.ring_dtod, vec![(0, 1)]);
+        assert!(m.swap_out.is_empty());
+        assert_eq!(t.region_of(1), Some(1));
+        assert_eq!(t.seqs[&1].blocks, vec![BlockLoc::Hbm(3), BlockLoc::Hbm(4)]);
+        // the copies may still read blocks 0 and 1 in this step
+        assert_eq!(t.hbm_free_in(0), 1);
+        t.begin_step();
+        assert_eq!(t.hbm_free_in(0), 3);
+        // already there, or unknown: nothing moves
+        assert!(!t.move_to_region(1, 1, &mut Moves::default()).unwrap());
+        assert!(!t.move_to_region(9, 1, &mut Moves::default()).unwrap());
+        // the decode step reads the moved blocks in place and appends in region 1
+        let mut m = Moves::default();
+        let ids = t
+            .make_resident(1, 3, 1, &BTreeSet::from([1]), &mut m)
+            .unwrap();
+        assert_eq!(ids, vec![3, 4, 5]);
+        assert!(m.is_empty());
+        t.release(1);
+        assert_eq!(t.hbm_free(), 6);
+        assert!(t.seqs.is_empty());
+        let mut m = Moves::default();
+        t.make_resident(2, 1, 0, &BTreeSet::from([2]), &mut m)
+            .unwrap();
+        assert_eq!(t.seqs[&2].ring, Some(0));
+    }
+
+    /// Moving into a full region evicts that region's least recently used sequence first.
+    #[test]
+    fn a_move_into_a_full_region_evicts_there() {
+        let mut t = Tiers::with_regions(&[2, 2], &[1, 1], 8, 0, 4);
+        let mut m = Moves::default();
+        t.begin_step();
+        t.make_resident(1, 2, 1, &BTreeSet::from([1]), &mut m)
+            .unwrap();
+        t.begin_step();
+        t.make_resident(2, 2, 0, &BTreeSet::from([2]), &mut m)
+            .unwrap();
+        let mut m = Moves::default();
+        t.begin_step();
+        assert!(t.move_to_region(2, 1, &mut m).unwrap());
+        assert_eq!(m.swap_out, vec![(2, 0), (3, 1)]);
+        assert_eq!(m.ring_out.len(), 1);
+        assert_eq!(m.dtod, vec![(0, 2), (1, 3)]);
+        assert_eq!(
+            t.seqs[&1].blocks,
+            vec![BlockLoc::Host(0), BlockLoc::Host(1)]
+        );
     }
 }
