@@ -89,7 +89,7 @@ impl KvStore {
             }
             return Ok(listed);
         }
-        if self.lru_links.len() != n || (self.per_node && self.stamps.len() != n) {
+        if self.lru_links.len() != n || (self.per_node && self.recency.len() != n) {
             return Err("LRU links do not cover the slab".into());
         }
         if self.per_node {
@@ -125,10 +125,11 @@ impl KvStore {
                 return Err("LRU list has a cycle".into());
             }
             if let Some(s) = start {
-                if self.start_of(self.slab[i as usize].key) != s {
+                let r = self.recency[i as usize];
+                if self.start_of(self.slab[i as usize].key) != s || r.start != s {
                     return Err(format!("group {s}'s LRU list holds another group's object"));
                 }
-                if prev != NIL && self.stamps[prev as usize] >= self.stamps[i as usize] {
+                if prev != NIL && self.recency[prev as usize].stamp >= r.stamp {
                     return Err(format!("group {s}'s LRU list is out of recency order"));
                 }
             }

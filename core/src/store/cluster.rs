@@ -144,15 +144,16 @@ impl KvStore {
         (victims.len() as u64, bytes)
     }
 
-    /// Counts the shard bytes a new object of `bytes` bytes at `key` writes to every node of
-    /// its group that is not down (a down node's share is rebuilt when it is repaired).
-    pub(super) fn record_writes(&mut self, key: BlockKey, bytes: u64) {
+    /// Counts the shard bytes a new object of `bytes` bytes in the group starting at `first`
+    /// writes to every node of the group that is not down (a down node's share is rebuilt when
+    /// it is repaired).
+    pub(super) fn record_writes(&mut self, first: u32, bytes: u64) {
         let share = self.share_of(bytes);
         if share == 0 {
             return;
         }
         let check = self.nodes.any_unavailable();
-        for node in self.placement_nodes(key) {
+        for node in self.group_nodes(first) {
             if check && self.nodes.state(node) == NodeState::Down {
                 continue;
             }

@@ -7,21 +7,21 @@
 //!   on the node (the oldest head among the lists of the groups the node belongs to: every
 //!   object is on its group's list, stamped when last used) until the node is back at its low
 //!   watermark. An evicted object is deleted from every node of its group, so one node's GC
-//!   also frees its neighbours.
+//!   also frees its neighbours. A node that is down still counts the shards it is owed (its
+//!   replacement rebuilds them), so its bound still applies to its groups' writes.
 
 use super::{KvStore, NIL};
-use crate::content::BlockKey;
 
 impl KvStore {
-    /// Evicts what must go for an object of `bytes` bytes at `key` to fit before it is written;
-    /// false if it can never fit.
-    pub(super) fn make_room(&mut self, key: BlockKey, bytes: u64) -> bool {
+    /// Evicts what must go for an object of `bytes` bytes in the group starting at `start` to
+    /// fit before it is written; false if it can never fit.
+    pub(super) fn make_room(&mut self, start: u32, bytes: u64) -> bool {
         if self.per_node {
             let share = self.share_of(bytes);
             if share > self.node_cap_bytes {
                 return false;
             }
-            for node in self.placement_nodes(key) {
+            for node in self.group_nodes(start) {
                 let j = node.0 as usize;
                 while self.node_bytes[j] + share > self.node_cap_bytes {
                     if !self.evict_from_node(node.0) {
@@ -43,11 +43,11 @@ impl KvStore {
         true
     }
 
-    /// After an object was written at `key`: the GC of the store (or of each node of its
-    /// group) runs if usage passed the high watermark, down to the low one.
-    pub(super) fn collect_after_insert(&mut self, key: BlockKey) {
+    /// After an object was written in the group starting at `start`: the GC of the store (or
+    /// of each node of the group) runs if usage passed the high watermark, down to the low one.
+    pub(super) fn collect_after_insert(&mut self, start: u32) {
         if self.per_node {
-            for node in self.placement_nodes(key) {
+            for node in self.group_nodes(start) {
                 let j = node.0 as usize;
                 if self.node_bytes[j] > self.node_high_bytes {
                     while self.node_bytes[j] > self.node_low_bytes {
@@ -83,7 +83,9 @@ impl KvStore {
         let mut oldest = NIL;
         for s in self.nodes.starts_of(node) {
             let h = self.start_lru[s as usize].head;
-            if h != NIL && (oldest == NIL || self.stamps[h as usize] < self.stamps[oldest as usize])
+            if h != NIL
+                && (oldest == NIL
+                    || self.recency[h as usize].stamp < self.recency[oldest as usize].stamp)
             {
                 oldest = h;
             }

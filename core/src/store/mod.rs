@@ -86,6 +86,14 @@ struct Link {
     next: u32,
 }
 
+/// Per-node GC, per slab entry: when the object was last used (a store-wide counter) and its
+/// group (kept so that relinking it does not divide its key by the node count again).
+#[derive(Clone, Copy, Debug)]
+struct Recency {
+    stamp: u64,
+    start: u32,
+}
+
 #[derive(Clone, Copy, Debug)]
 struct List {
     head: u32,
@@ -121,7 +129,7 @@ pub struct KvStore {
     /// with a recency stamp per slab entry; a node's LRU order is the merge of its groups'.
     per_node: bool,
     start_lru: Vec<List>,
-    stamps: Vec<u64>,
+    recency: Vec<Recency>,
     stamp_clock: u64,
     /// Per-node GC: a node's capacity and watermarks, physical bytes of shards.
     node_cap_bytes: u64,
@@ -172,7 +180,7 @@ impl KvStore {
             } else {
                 Vec::new()
             },
-            stamps: Vec::new(),
+            recency: Vec::new(),
             stamp_clock: 0,
             node_cap_bytes: node_cap,
             node_high_bytes: (node_cap as f64 * cfg.high_watermark) as u64,
@@ -220,7 +228,7 @@ impl KvStore {
             self.lru_links.reserve(more);
         }
         if self.per_node {
-            self.stamps.reserve(more);
+            self.recency.reserve(more);
         }
     }
     pub fn is_empty(&self) -> bool {
@@ -382,16 +390,17 @@ impl KvStore {
             self.touch_at_now(idx, class);
             return false;
         }
-        if !self.make_room(key, bytes) {
+        let start = self.start_of(key);
+        if !self.make_room(start, bytes) {
             // Cannot be stored at all: counted as written-and-dropped would lie, so skip.
             return false;
         }
         self.map.reserve(1);
-        let idx = self.slot_for(key, bytes, class);
+        let idx = self.slot_for(key, bytes, class, start);
         let slab = &self.slab;
         let (at, _) = self.map.find(key.0, |i| slab[i as usize].key.0);
         self.map.fill(at, key, idx);
-        self.link_new(idx, key, bytes);
+        self.link_new(idx, start, bytes);
         true
     }
 
@@ -407,9 +416,10 @@ impl KvStore {
                 false
             }
             (at, false) => {
-                let idx = self.slot_for(key, bytes, class);
+                let start = self.start_of(key);
+                let idx = self.slot_for(key, bytes, class, start);
                 self.map.fill(at, key, idx);
-                self.link_new(idx, key, bytes);
+                self.link_new(idx, start, bytes);
                 true
             }
         }
@@ -429,8 +439,9 @@ impl KvStore {
         }
     }
 
-    /// Stores a new entry in the slab (reusing a freed slot first) and returns its index.
-    fn slot_for(&mut self, key: BlockKey, bytes: u64, class: TrafficClass) -> u32 {
+    /// Stores a new entry in the slab (reusing a freed slot first) and returns its index;
+    /// `start` is its group.
+    fn slot_for(&mut self, key: BlockKey, bytes: u64, class: TrafficClass, start: u32) -> u32 {
         let entry = Entry {
             key,
             expires: self.expiry_for(class),
@@ -439,9 +450,13 @@ impl KvStore {
             size: self.size_of(bytes),
             class: class as u8,
         };
+        let recency = Recency { stamp: 0, start };
         match self.free.pop() {
             Some(i) => {
                 self.slab[i as usize] = entry;
+                if self.per_node {
+                    self.recency[i as usize] = recency;
+                }
                 i
             }
             None => {
@@ -453,7 +468,7 @@ impl KvStore {
                     });
                 }
                 if self.per_node {
-                    self.stamps.push(0);
+                    self.recency.push(recency);
                 }
                 (self.slab.len() - 1) as u32
             }
@@ -487,17 +502,17 @@ impl KvStore {
 
     /// Links a new entry into the LRU and expiry lists, charges it, and evicts past the high
     /// watermark.
-    fn link_new(&mut self, idx: u32, key: BlockKey, bytes: u64) {
+    fn link_new(&mut self, idx: u32, start: u32, bytes: u64) {
         self.lru_push_back(idx);
         self.exp_push_back(idx);
-        self.charge_nodes(key, bytes, true);
+        self.charge_nodes(start, bytes, true);
         self.stats.inserts += 1;
         self.stats.objects += 1;
         self.stats.bytes_written += bytes;
         self.stats.used_bytes += bytes;
         self.stats.peak_bytes = self.stats.peak_bytes.max(self.stats.used_bytes);
-        self.record_writes(key, bytes);
-        self.collect_after_insert(key);
+        self.record_writes(start, bytes);
+        self.collect_after_insert(start);
     }
 
     /// The node where `key`'s group starts (the group's number).
@@ -520,8 +535,13 @@ impl KvStore {
 
     /// The nodes of [`Self::placement`] in the same order, without allocating (fetch path).
     pub fn placement_nodes(&self, key: BlockKey) -> impl Iterator<Item = StorageNodeId> + use<> {
+        self.group_nodes(self.start_of(key))
+    }
+
+    /// The nodes of the group starting at node `first`, in placement order.
+    #[inline]
+    pub fn group_nodes(&self, first: u32) -> impl Iterator<Item = StorageNodeId> + use<> {
         let n = self.cfg.storage_nodes;
-        let first = (key.0 % u64::from(n)) as u32;
         let group = self.cfg.ec_data_shards + self.cfg.ec_parity_shards;
         // `first + i` wraps at most once (the group is no larger than the node count): a
         // compare instead of a division per node (the fetch path asks for 88 nodes a request).
@@ -534,9 +554,10 @@ impl KvStore {
         bytes.div_ceil(u64::from(self.cfg.ec_data_shards))
     }
 
-    fn charge_nodes(&mut self, key: BlockKey, bytes: u64, add: bool) {
+    /// Adds (or takes back) an object of `bytes` bytes in the group starting at `first` to the
+    /// group's and its nodes' counters.
+    fn charge_nodes(&mut self, first: u32, bytes: u64, add: bool) {
         let n = self.cfg.storage_nodes;
-        let first = self.start_of(key);
         let share = self.share_of(bytes);
         let (shares, objects) = (
             &mut self.start_shares[first as usize],
@@ -585,7 +606,12 @@ impl KvStore {
         let bytes = self.sizes[e.size as usize];
         let slab = &self.slab;
         self.map.remove(e.key, |i| slab[i as usize].key.0);
-        self.charge_nodes(e.key, bytes, false);
+        let start = if self.per_node {
+            self.recency[idx as usize].start
+        } else {
+            self.start_of(e.key)
+        };
+        self.charge_nodes(start, bytes, false);
         self.stats.used_bytes -= bytes;
         self.stats.objects -= 1;
         self.free.push(idx);
@@ -597,10 +623,10 @@ impl KvStore {
             return;
         }
         let list = if self.per_node {
-            let s = self.start_of(self.slab[idx as usize].key) as usize;
-            self.stamps[idx as usize] = self.stamp_clock;
+            let r = &mut self.recency[idx as usize];
+            r.stamp = self.stamp_clock;
             self.stamp_clock += 1;
-            &mut self.start_lru[s]
+            &mut self.start_lru[r.start as usize]
         } else {
             &mut self.lru
         };
@@ -622,8 +648,7 @@ impl KvStore {
             return;
         }
         let list = if self.per_node {
-            let s = self.start_of(self.slab[idx as usize].key) as usize;
-            &mut self.start_lru[s]
+            &mut self.start_lru[self.recency[idx as usize].start as usize]
         } else {
             &mut self.lru
         };

@@ -118,7 +118,7 @@ pub(crate) fn kth_smallest(xs: &mut [Nanos], k: usize) -> Nanos {
 /// node already has queued); returns when it is done.
 #[inline]
 fn occupy(busy: &mut Nanos, at: Nanos, bytes: f64, per_s: f64) -> Nanos {
-    *busy = (*busy).max(at) + Nanos::from_secs_f64(bytes / per_s);
+    *busy = (*busy).max(at) + nanos_from_secs(bytes / per_s);
     *busy
 }
 
