@@ -507,3 +507,61 @@ fn closed_stdout_pipe_is_not_a_panic() {
         out.status
     );
 }
+
+/// The GPU record of the serving unit on the H200 (the new loop: several prefill engines and
+/// decode groups on one device) that the offline conformance test replays.
+const UNIT_RECORD: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../hw/measurements/2026-12-02-nvidia-h200-unit-conformance-record.json.gz"
+);
+
+#[test]
+fn hw_conformance_replays_the_units_gpu_record_and_simulates_the_same_config() {
+    // No GPU needed: the committed record of `conformance-unit.toml` on the H200 is fed back
+    // through the unit (every plan must match), and the same config runs in the simulator's
+    // environment; the report compares step times plan by plan and the latencies of both runs.
+    let d = scratch("conformance-unit");
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/conformance-unit.toml");
+    let profile = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../sim/profiles/h200-wide-measured.toml"
+    );
+    let run = |profile: &str, out: &Path| {
+        servelab(&[
+            "hw",
+            "conformance",
+            config,
+            "--record",
+            UNIT_RECORD,
+            "--profile",
+            profile,
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let o = run(profile, &d);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report = std::fs::read_to_string(d.join("conformance.md")).unwrap();
+    assert!(report.contains("**0 mismatched**"), "{report}");
+    assert!(report.contains("request outcomes identical: true"), "{report}");
+    assert!(report.contains("Target median ≤ 5.0%: met."), "{report}");
+    assert!(
+        report.contains("VirtualEnv") && report.contains("TTFT P99"),
+        "{report}"
+    );
+    // The cross-check can disagree: the published SM100 profile is not this GPU, and the
+    // same record judged with it misses the step-time target.
+    let wrong = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../sim/profiles/sm100-published.toml"
+    );
+    let d2 = scratch("conformance-unit-wrong");
+    let o = run(wrong, &d2);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report = std::fs::read_to_string(d2.join("conformance.md")).unwrap();
+    assert!(report.contains("**0 mismatched**"), "{report}");
+    assert!(
+        report.contains("Target median ≤ 5.0%: **not met**."),
+        "{report}"
+    );
+}
