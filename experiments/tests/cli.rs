@@ -508,11 +508,12 @@ fn closed_stdout_pipe_is_not_a_panic() {
     );
 }
 
-/// The GPU record of the serving unit on the H200 (the new loop: several prefill engines and
-/// decode groups on one device) that the offline conformance test replays.
+/// The GPU record of the serving unit on the H200 (the new loop: two prefill engines and two
+/// decode groups on one device, the handoff a device-to-device copy; wall clock) that the
+/// offline conformance test replays.
 const UNIT_RECORD: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../hw/measurements/2026-12-02-nvidia-h200-unit-conformance-record.json.gz"
+    "/../hw/measurements/2026-12-02-nvidia-h200-unit-wall-conformance-record.json.gz"
 );
 
 #[test]
@@ -545,8 +546,15 @@ fn hw_conformance_replays_the_units_gpu_record_and_simulates_the_same_config() {
     assert!(report.contains("**0 mismatched**"), "{report}");
     assert!(report.contains("request outcomes identical: true"), "{report}");
     assert!(report.contains("Target median ≤ 5.0%: met."), "{report}");
+    assert!(report.contains("235 handoffs, 235 copied"), "{report}");
+    // The first latency table is the simulator's own environment (VirtualEnv) against the GPU.
+    let sim = report
+        .split("## 4. Latency")
+        .nth(1)
+        .expect("a latency section");
+    assert!(sim.contains("VirtualEnv"), "{report}");
     assert!(
-        report.contains("VirtualEnv") && report.contains("TTFT P99"),
+        sim.contains("Target TTFT P50 and P99 within 10.0%: met."),
         "{report}"
     );
     // The cross-check can disagree: the published SM100 profile is not this GPU, and the

@@ -10,6 +10,7 @@
 use anyhow::{Result, anyhow};
 pub use servelab_hw::cli::HwCommand;
 use servelab_hw::commands::{self, ConformanceOptions};
+use servelab_hw::conformance::{ConformanceFile, HandoffSection};
 use servelab_sim::profile::{HardwareProfile, ProfileFiles};
 
 #[derive(clap::Args)]
@@ -58,12 +59,14 @@ fn conformance(o: &ConformanceOptions, sensitivity: bool, log: &mut dyn FnMut(&s
         Some(spec) => HardwareProfile::resolve(spec)?,
         None => servelab_hw::conformance::parse_profile(&record.policy_profile, "record.profile")?,
     };
-    let mut a =
-        crate::exp::conformance::analyze(&record, profile.clone()).map_err(|e| anyhow!("{e}"))?;
+    let handoff = handoff_model(o)?;
+    let mut a = crate::exp::conformance::analyze(&record, profile.clone(), handoff.as_ref())
+        .map_err(|e| anyhow!("{e}"))?;
     if sensitivity {
         a.sensitivity = crate::exp::conformance::sensitivity(
             &record,
             &profile,
+            handoff.as_ref(),
             &crate::exp::conformance::SENSITIVITY_FACTORS,
         )
         .map_err(|e| anyhow!("{e}"))?;
@@ -91,6 +94,19 @@ fn conformance(o: &ConformanceOptions, sensitivity: bool, log: &mut dyn FnMut(&s
         ));
     }
     Ok(())
+}
+
+/// With `--record`, the simulator times handoffs with CONFIG's `[conformance.handoff]` model
+/// (refitted models are tried on old records as `--profile` tries profiles); the GPU's side of
+/// the record is left as it ran. Without a record the GPU runs CONFIG itself.
+fn handoff_model(o: &ConformanceOptions) -> Result<Option<HandoffSection>> {
+    if o.record.is_none() {
+        return Ok(None);
+    }
+    let origin = o.config.display().to_string();
+    let text = std::fs::read_to_string(&o.config).map_err(|e| anyhow!("{origin}: {e}"))?;
+    let file = ConformanceFile::parse(&text, &origin)?;
+    Ok(Some(file.conformance.handoff))
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@
 //!    profile's times scaled).
 
 use serde::Serialize;
-use servelab_core::Nanos;
+use servelab_core::{ConfigError, Nanos};
 use servelab_core::engine::{Backend, StepPlan, StepReport};
 use servelab_core::profile::HardwareProfile;
 use servelab_hw::backend::HandoffCopy;
@@ -326,15 +326,40 @@ pub struct Sensitivity {
     pub passes: bool,
 }
 
+/// The config a record ran with, its handoff timing model replaced by `handoff` when given.
+/// Only the timing moves: whether the GPU copied (`copy`) is what the record did, so a model
+/// for the other layout is refused.
+fn record_file(
+    record: &Record,
+    handoff: Option<&HandoffSection>,
+) -> Result<ConformanceFile, ConformanceError> {
+    let mut file = ConformanceFile::parse(&record.config, "record.config")?;
+    if let Some(h) = handoff {
+        if h.copy != file.conformance.handoff.copy {
+            return Err(ConformanceError::Config(ConfigError::invalid(
+                "conformance.handoff.copy",
+                format!(
+                    "the record ran with copy = {}; a handoff model for copy = {} cannot time it",
+                    file.conformance.handoff.copy, h.copy
+                ),
+            )));
+        }
+        h.validate()?;
+        file.conformance.handoff = h.clone();
+    }
+    Ok(file)
+}
+
 /// The scale factors the sensitivity table tries.
 pub const SENSITIVITY_FACTORS: [f64; 6] = [0.90, 0.95, 0.97, 1.03, 1.05, 1.10];
 
 pub fn sensitivity(
     record: &Record,
     profile: &HardwareProfile,
+    handoff: Option<&HandoffSection>,
     factors: &[f64],
 ) -> Result<Vec<Sensitivity>, ConformanceError> {
-    let file = ConformanceFile::parse(&record.config, "record.config")?;
+    let file = record_file(record, handoff)?;
     let reqs = hwc::workload(&file)?;
     let mut rows = Vec::new();
     for &factor in factors {
@@ -494,6 +519,8 @@ pub struct Analysis {
     pub handoffs: HandoffStats,
     /// The same for the GPU environment's run with the cost model as its device.
     pub model_handoffs: HandoffStats,
+    /// The handoff timing model the simulator used (`[conformance.handoff]`).
+    pub handoff_model: HandoffSection,
     pub decode_terms: DecodeTerms,
     /// The simulator's environment, then the GPU environment with the cost model as device.
     pub sims: Vec<SimRun>,
@@ -503,8 +530,14 @@ pub struct Analysis {
 
 /// Replays, predicts and simulates a record. `profile` is what the simulator predicts with
 /// (normally the policies' profile, i.e. the one measured on the same GPU).
-pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, ConformanceError> {
-    let file = ConformanceFile::parse(&record.config, "record.config")?;
+/// `handoff` replaces the record's handoff timing model (the simulator's side, like `profile`);
+/// None keeps the one the record ran with.
+pub fn analyze(
+    record: &Record,
+    profile: HardwareProfile,
+    handoff: Option<&HandoffSection>,
+) -> Result<Analysis, ConformanceError> {
+    let file = record_file(record, handoff)?;
     let policy = hwc::parse_profile(&record.policy_profile, "record.profile")?;
     let reqs = hwc::workload(&file)?;
     let replay = hwc::replay_check(&file, &policy, &reqs, &record.run)?;
@@ -541,6 +574,7 @@ pub fn analyze(record: &Record, profile: HardwareProfile) -> Result<Analysis, Co
         step_errors,
         handoffs: handoff_stats(run, hand),
         model_handoffs: handoff_stats(&model_run, hand),
+        handoff_model: hand.clone(),
         decode_terms: decode_terms(&profile.decode, &run.steps),
         sims,
         sensitivity: Vec::new(),
@@ -610,7 +644,7 @@ pub fn markdown(a: &Analysis) -> String {
         s.push_str(&format!("- {m}\n"));
     }
     s.push_str(&step_table(&a.step_errors));
-    s.push_str(&handoff_table(&a.handoffs, &a.model_handoffs));
+    s.push_str(&handoff_table(&a.handoffs, &a.model_handoffs, &a.handoff_model));
     for sim in &a.sims {
         s.push_str(&latency_table(sim));
     }
@@ -621,7 +655,7 @@ pub fn markdown(a: &Analysis) -> String {
     s
 }
 
-fn handoff_table(h: &HandoffStats, model: &HandoffStats) -> String {
+fn handoff_table(h: &HandoffStats, model: &HandoffStats, m: &HandoffSection) -> String {
     let mut s = String::from(
         "## 3. Handoff, request by request (device-to-device copy vs the handoff model)\n\n",
     );
@@ -641,7 +675,8 @@ fn handoff_table(h: &HandoffStats, model: &HandoffStats) -> String {
          | copy time P99 µs | {:.1} | {:.1} |\n\
          | ask to HandoffDone median µs | {:.1} | {:.1} |\n\
          | ask to HandoffDone P99 µs | {:.1} | {:.1} |\n\n\
-         Copy time per handoff, model vs measured: median abs error {}, P90 {}, median signed {}.\n\n",
+         Copy time per handoff, model ({:.1} µs + bytes / {:.3e} B/s) vs measured: median abs \
+         error {}, P90 {}, median signed {}.\n\n",
         h.handoffs,
         h.copied,
         h.unit_bytes_median / 1e6,
@@ -655,6 +690,8 @@ fn handoff_table(h: &HandoffStats, model: &HandoffStats) -> String {
         model.wait_median_us,
         h.wait_p99_us,
         model.wait_p99_us,
+        m.latency.as_secs_f64() * 1e6,
+        m.bytes_per_s,
         upct(h.error.abs_median),
         upct(h.error.abs_p90),
         pct(h.error.signed_median),
@@ -848,7 +885,7 @@ mod tests {
         for config in [small(CONFIG), small(&wide(CONFIG))] {
             let rec = dry_record(&config);
             let profile = HardwareProfile::resolve("sm100-published").unwrap();
-            let a = analyze(&rec, profile).unwrap();
+            let a = analyze(&rec, profile, None).unwrap();
             assert!(a.replay.replayable);
             assert_eq!(
                 a.replay.mismatched_steps, 0,
