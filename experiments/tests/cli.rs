@@ -544,7 +544,10 @@ fn hw_conformance_replays_the_units_gpu_record_and_simulates_the_same_config() {
     assert!(o.status.success(), "{}", stderr(&o));
     let report = std::fs::read_to_string(d.join("conformance.md")).unwrap();
     assert!(report.contains("**0 mismatched**"), "{report}");
-    assert!(report.contains("request outcomes identical: true"), "{report}");
+    assert!(
+        report.contains("request outcomes identical: true"),
+        "{report}"
+    );
     assert!(report.contains("Target median ≤ 5.0%: met."), "{report}");
     assert!(report.contains("235 handoffs, 235 copied"), "{report}");
     // The first latency table is the simulator's own environment (VirtualEnv) against the GPU.

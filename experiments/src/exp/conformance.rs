@@ -17,9 +17,9 @@
 //!    profile's times scaled).
 
 use serde::Serialize;
-use servelab_core::{ConfigError, Nanos};
 use servelab_core::engine::{Backend, StepPlan, StepReport};
 use servelab_core::profile::HardwareProfile;
+use servelab_core::{ConfigError, Nanos};
 use servelab_hw::backend::HandoffCopy;
 use servelab_hw::clock::ClockKind;
 use servelab_hw::conformance::HandoffSection;
@@ -644,7 +644,11 @@ pub fn markdown(a: &Analysis) -> String {
         s.push_str(&format!("- {m}\n"));
     }
     s.push_str(&step_table(&a.step_errors));
-    s.push_str(&handoff_table(&a.handoffs, &a.model_handoffs, &a.handoff_model));
+    s.push_str(&handoff_table(
+        &a.handoffs,
+        &a.model_handoffs,
+        &a.handoff_model,
+    ));
     for sim in &a.sims {
         s.push_str(&latency_table(sim));
     }
