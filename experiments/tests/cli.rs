@@ -258,6 +258,28 @@ fn replay_mooncake_hand_computed() {
     let v = replay(&["--ttl", "4ms"]);
     assert_eq!(v["hit_tokens"], 0);
     assert_eq!(v["policy"], "ttl");
+    // Guard rails: a block finer than the file's 512-token hashes, and a TTL the 5 ms trace
+    // never reaches, are said on stderr; a TTL inside the trace and the file's own block are not.
+    let warned = |extra: &[&str]| {
+        let mut args = vec![
+            "replay",
+            "--trace",
+            t.to_str().unwrap(),
+            "--format",
+            "mooncake",
+        ];
+        args.extend_from_slice(extra);
+        let o = servelab(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stderr(&o)
+    };
+    let e = warned(&["--block-size", "128", "--ttl", "1h"]);
+    assert!(e.contains("warning: block size 128 tokens is finer"), "{e}");
+    assert!(
+        e.contains("warning: --ttl = 1h is longer than the trace"),
+        "{e}"
+    );
+    assert!(!warned(&["--ttl", "4ms"]).contains("warning"));
 }
 
 #[test]

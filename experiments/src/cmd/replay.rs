@@ -104,6 +104,12 @@ pub fn run(a: Args) -> Result<()> {
         _ => {}
     }
     let trace: Trace = crate::exp::trace_source::read(&a.trace, a.format, a.block_size, class)?;
+    if let Some(t) = ttl {
+        crate::exp::trace_source::print_warnings(&crate::exp::trace_source::ttl_warnings(
+            &trace,
+            &[("--ttl".to_string(), t)],
+        ));
+    }
     let block_bytes = u64::from(trace.block_tokens) * u64::from(a.bytes_per_token);
     let capacity = match (a.capacity_blocks, a.capacity_bytes) {
         (Some(b), _) => Some(

@@ -35,6 +35,15 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         seed,
         cfg.service.constants.block_tokens,
     )?;
+    if cfg.trace.is_some() {
+        let ttl = &cfg.service.store.ttl;
+        let ttls: Vec<(String, servelab_core::Nanos)> = servelab_core::TrafficClass::ALL
+            .iter()
+            .filter(|&&c| trace.requests.iter().any(|r| r.class == c))
+            .filter_map(|&c| Some((format!("service.store.ttl.{}", c.name()), ttl.get(c)?)))
+            .collect();
+        super::trace_source::print_warnings(&super::trace_source::ttl_warnings(&trace, &ttls));
+    }
     // Wall time goes to stdout only: output files stay a pure function of config and seed.
     let started = std::time::Instant::now();
     let rep = simulate(&cfg.service, &trace.requests, seed).map_err(|e| anyhow!("{path}: {e}"))?;

@@ -4,7 +4,7 @@
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde::Deserialize;
-use servelab_core::TrafficClass;
+use servelab_core::{Nanos, TrafficClass};
 use servelab_workloads::generate::{WorkloadConfig, generate};
 use servelab_workloads::{Trace, azure, mooncake, native};
 use std::path::{Path, PathBuf};
@@ -67,14 +67,62 @@ fn load_file(t: &TraceFile, config_path: &Path, block_tokens: u32) -> Result<Tra
     Ok(trace)
 }
 
+/// The hash granularity of the published Mooncake traces (tokens per `hash_ids` entry).
+const MOONCAKE_HASH_TOKENS: u32 = 512;
+
+/// A warning when `block_tokens` is finer than what `format` can tell apart: a Mooncake file
+/// names 512-token blocks, so sub-blocks of one hash id always hit or miss together and hit
+/// rates move in 512-token steps whatever the block size.
+pub fn keying_warning(format: TraceFormat, block_tokens: Option<u32>) -> Option<String> {
+    match (format, block_tokens) {
+        (TraceFormat::Mooncake, Some(b)) if b < MOONCAKE_HASH_TOKENS => Some(format!(
+            "block size {b} tokens is finer than the Mooncake trace's own {MOONCAKE_HASH_TOKENS}-token \
+             hashes: the {} sub-blocks of a hash always hit or miss together, so hits are exact \
+             only to {MOONCAKE_HASH_TOKENS} tokens",
+            MOONCAKE_HASH_TOKENS / b.max(1)
+        )),
+        _ => None,
+    }
+}
+
+/// Warnings for TTLs (`label`, TTL) longer than `trace` lasts (first to last arrival):
+/// nothing stored expires before the trace ends, so such a TTL changes no result of it.
+pub fn ttl_warnings(trace: &Trace, ttls: &[(String, Nanos)]) -> Vec<String> {
+    let (Some(first), Some(last)) = (trace.requests.first(), trace.requests.last()) else {
+        return Vec::new();
+    };
+    let lasts = last.arrival.saturating_sub(first.arrival);
+    ttls.iter()
+        .filter(|(_, ttl)| *ttl > lasts)
+        .map(|(label, ttl)| {
+            format!(
+                "{label} = {ttl} is longer than the trace ({lasts} from first to last arrival): nothing expires before the trace ends, so this TTL changes nothing"
+            )
+        })
+        .collect()
+}
+
+/// Prints `warnings` on stderr, one `warning:` line each.
+pub fn print_warnings(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: {w}");
+    }
+}
+
 /// Reads a trace file keyed at `block_tokens` (None: Mooncake keeps its own 512-token blocks,
 /// the other formats use 128), every request of class `class` where the file does not say.
+/// Warns when the block size is finer than the file can resolve.
 pub fn read(
     path: &Path,
     format: TraceFormat,
     block_tokens: Option<u32>,
     class: TrafficClass,
 ) -> Result<Trace> {
+    print_warnings(
+        &keying_warning(format, block_tokens)
+            .into_iter()
+            .collect::<Vec<_>>(),
+    );
     Ok(match format {
         TraceFormat::Mooncake => mooncake::load(
             path,
@@ -98,4 +146,44 @@ pub fn read(
             },
         )?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use servelab_core::content::ChainBuilder;
+    use servelab_core::{Request, RequestId};
+    use std::sync::Arc;
+
+    #[test]
+    fn mooncake_keyed_finer_than_its_hashes_warns() {
+        let w = keying_warning(TraceFormat::Mooncake, Some(128)).unwrap();
+        assert!(w.contains("512") && w.contains("4 sub-blocks"), "{w}");
+        assert!(keying_warning(TraceFormat::Mooncake, Some(512)).is_none());
+        assert!(keying_warning(TraceFormat::Mooncake, None).is_none());
+        assert!(keying_warning(TraceFormat::Azure, Some(16)).is_none());
+    }
+
+    #[test]
+    fn a_ttl_longer_than_the_trace_warns() {
+        let content = Arc::new(ChainBuilder::new(128).finish());
+        let at = |s: u64| Request {
+            id: RequestId(s),
+            session: None,
+            class: TrafficClass::Chat,
+            arrival: Nanos::from_secs(s),
+            prompt_tokens: 0,
+            output_tokens: 1,
+            content: content.clone(),
+        };
+        let trace = Trace::new(128, vec![at(10), at(70)]);
+        let ttls = [
+            ("ttl.chat".to_string(), Nanos::from_secs(60)),
+            ("ttl.agent".to_string(), Nanos::from_secs(120)),
+        ];
+        let w = ttl_warnings(&trace, &ttls);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].starts_with("ttl.agent = 2min"), "{w:?}");
+        assert!(ttl_warnings(&Trace::new(128, Vec::new()), &ttls).is_empty());
+    }
 }
