@@ -738,7 +738,7 @@ fn warnings(
                 w.push(format!(
                     "`{m}` is {v:.4} at every point while `{mean_name}` moves ({lo:.4} to \
                      {hi:.4}): a {pct} is read off a log-bucket histogram, as the midpoint of the \
-                     bucket it falls in (buckets a few per cent wide), so a tail that moves less \
+                     bucket it falls in (buckets under 1 % wide), so a tail that moves less \
                      than one bucket reports the same value; the {pct} may also be set by a class \
                      of requests the swept key does not touch (see the per-class metrics). \
                      Compare means, or sweep wider."
