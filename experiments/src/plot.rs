@@ -88,6 +88,23 @@ pub fn grouped_bars(
     Ok(())
 }
 
+/// What a line chart marks besides its series: a shaded x window (the measured part of a
+/// run) and published references, each a level or a range of y, drawn dashed in the colour of
+/// the series they belong to (`series` index).
+#[derive(Clone, Debug, Default)]
+pub struct Marks {
+    pub window: Option<(String, f64, f64)>,
+    pub references: Vec<Reference>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Reference {
+    pub label: String,
+    pub series: usize,
+    pub low: f64,
+    pub high: f64,
+}
+
 /// Line chart of several (x, y) series.
 pub fn lines(
     path: &Path,
@@ -96,13 +113,34 @@ pub fn lines(
     y_label: &str,
     series: &[(String, Vec<(f64, f64)>)],
 ) -> Result<()> {
+    lines_marked(path, title, x_label, y_label, series, &Marks::default())
+}
+
+/// [`lines`] with a measured window and reference levels (the y range includes them).
+pub fn lines_marked(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    marks: &Marks,
+) -> Result<()> {
     let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
-    let pts = series.iter().flat_map(|(_, p)| p.iter().copied());
+    let refs = marks
+        .references
+        .iter()
+        .flat_map(|r| [(f64::NAN, r.low), (f64::NAN, r.high)]);
+    let pts = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().copied())
+        .chain(refs);
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for (x, y) in pts {
-        x0 = x0.min(x);
-        x1 = x1.max(x);
+        if x.is_finite() {
+            x0 = x0.min(x);
+            x1 = x1.max(x);
+        }
         y0 = y0.min(y);
         y1 = y1.max(y);
     }
@@ -126,6 +164,40 @@ pub fn lines(
         .y_desc(y_label)
         .draw()
         .map_err(err)?;
+    let (lo, hi) = (y0 - pad, y1 + pad);
+    if let Some((label, a, b)) = &marks.window {
+        let grey = RGBColor(128, 128, 128);
+        chart
+            .draw_series(std::iter::once(Rectangle::new(
+                [(a.max(x0), lo), (b.min(x1), hi)],
+                grey.mix(0.12).filled(),
+            )))
+            .map_err(err)?
+            .label(label.as_str())
+            .legend(move |(x, y)| {
+                Rectangle::new([(x, y - 5), (x + 16, y + 5)], grey.mix(0.3).filled())
+            });
+    }
+    for r in &marks.references {
+        let c = color(r.series);
+        if r.high > r.low {
+            chart
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(x0, r.low), (x1, r.high)],
+                    c.mix(0.12).filled(),
+                )))
+                .map_err(err)?;
+        }
+        let dashed = |y: f64| DashedLineSeries::new([(x0, y), (x1, y)], 8, 6, c.stroke_width(1));
+        chart
+            .draw_series(dashed(r.low))
+            .map_err(err)?
+            .label(r.label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(1)));
+        if r.high > r.low {
+            chart.draw_series(dashed(r.high)).map_err(err)?;
+        }
+    }
     for (si, (name, p)) in series.iter().enumerate() {
         let c = color(si);
         chart

@@ -61,19 +61,54 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     write_tables(&mut out, &rep)?;
     let summary = summary(&rep, &cfg.service);
     out.write_text("summary.md", &summary)?;
+    write_plots(&mut out, &rep)?;
+    out.write_summary_json(&crate::sweep::headline::service(&rep))?;
+    out.write_manifest(&Manifest::new(
+        "service",
+        &ctx.config.path,
+        &ctx.config.text,
+        seed,
+    ))?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// The time series with the steady window the report measures shaded and the published
+/// operating point (SPEC §11) as dashed references.
+fn write_plots(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
+    use crate::plot::{Marks, Reference};
     let series_plot = |f: fn(&servelab_sim::service::SeriesRow) -> f64| {
         rep.series.iter().map(|s| (s.t_s, f(s))).collect::<Vec<_>>()
     };
+    let st = &rep.steady;
+    let window = Some((
+        format!("steady window [{:.0} s, {:.0} s)", st.start_s, st.end_s),
+        st.start_s,
+        st.end_s,
+    ));
+    let level = |label: &str, series: usize, low: f64, high: f64| Reference {
+        label: label.to_string(),
+        series,
+        low,
+        high,
+    };
     let p = out.path("decode_batch.svg");
-    crate::plot::lines(
+    let s = PUBLISHED.decode_seqs_per_rank;
+    crate::plot::lines_marked(
         &p,
         "Decode sequences per rank",
         "time (s)",
         "sequences per rank",
         &[("decode".into(), series_plot(|s| s.decode_seqs_per_rank))],
+        &Marks {
+            window: window.clone(),
+            references: vec![level("published (SPEC §11)", 0, s, s)],
+        },
     )?;
     let p = out.path("throughput.svg");
-    crate::plot::lines(
+    let (lo, hi) = PUBLISHED.prefill_tokens_per_s_per_gpu;
+    let d = PUBLISHED.decode_tokens_per_s_per_gpu;
+    crate::plot::lines_marked(
         &p,
         "Tokens/s per GPU",
         "time (s)",
@@ -88,15 +123,14 @@ pub fn run(ctx: &RunContext) -> Result<()> {
                 series_plot(|s| s.decode_tokens_per_s_per_gpu),
             ),
         ],
+        &Marks {
+            window,
+            references: vec![
+                level("prefill, published range (SPEC §11)", 0, lo, hi),
+                level("decode, published (SPEC §11)", 1, d, d),
+            ],
+        },
     )?;
-    out.write_summary_json(&crate::sweep::headline::service(&rep))?;
-    out.write_manifest(&Manifest::new(
-        "service",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
-    println!("{summary}");
     Ok(())
 }
 
