@@ -541,12 +541,28 @@ fn plot_metrics(spec: &Spec, names: &[String], stats: &Stats) -> Vec<String> {
         return m.clone();
     }
     let n_points = stats.keys().map(|k| k.0).max().map_or(0, |m| m + 1);
-    names
+    let mut moving: Vec<&String> = names
         .iter()
         .filter(|m| !constant_over_points(n_points, m, stats))
-        .take(MAX_PLOTS)
-        .cloned()
-        .collect()
+        .collect();
+    // Headline metrics first: a service run's whole-run latencies and steady state come before
+    // the per-class and per-reason breakdowns, which alphabetically would fill every plot.
+    moving.sort_by_key(|m| (headline_rank(m), *m));
+    moving.into_iter().take(MAX_PLOTS).cloned().collect()
+}
+
+/// 0 for whole-run latencies (`all.`), 1 for the steady state, 2 for other top-level metrics,
+/// 3 for breakdowns (per class, per rejection reason).
+fn headline_rank(m: &str) -> u8 {
+    if m.starts_with("all.") {
+        0
+    } else if m.starts_with("steady.") {
+        1
+    } else if !m.contains('.') {
+        2
+    } else {
+        3
+    }
 }
 
 const MAX_PLOTS: usize = 12;
@@ -890,6 +906,28 @@ mod tests {
             Some(("P99".into(), "p16_d16.ttft_mean_ms".into()))
         );
         assert_eq!(percentile_counterpart("hit_rate"), None);
+    }
+
+    #[test]
+    fn headline_metrics_rank_before_breakdowns() {
+        let mut names = vec![
+            "agent.ttft_ms.mean",
+            "rejected.queue_full",
+            "hit_rate",
+            "steady.decode_seqs_per_rank",
+            "all.ttft_ms.p99",
+        ];
+        names.sort_by_key(|m| (headline_rank(m), *m));
+        assert_eq!(
+            names,
+            [
+                "all.ttft_ms.p99",
+                "steady.decode_seqs_per_rank",
+                "hit_rate",
+                "agent.ttft_ms.mean",
+                "rejected.queue_full"
+            ]
+        );
     }
 
     #[test]
