@@ -28,9 +28,14 @@ def test_ray_sweep_is_the_local_sweep(tmp_path, tiny_sweep, cli, local_ray):
     for name in ("sweep", "sweep_summary"):
         assert sorted_lines(r.out / f"{name}.csv") == sorted_lines(tmp_path / "local" / f"{name}.csv")
     assert r["sweep"].height == 6
-    # Started again into the same folder, it resumes: every point is already there.
+    # Started again into the same folder, it resumes: every point is already there, so no
+    # point's files are written again.
+    summaries = sorted((r.out / "points").glob("*/summary.json"))
+    assert len(summaries) == 6
+    before = [p.stat().st_mtime_ns for p in summaries]
     again = servelab.ray_sweep(tiny_sweep, out=tmp_path / "ray")
     assert again["sweep"].equals(r["sweep"])
+    assert [p.stat().st_mtime_ns for p in summaries] == before
     # A bad point fails before any task, naming the key.
     with pytest.raises(servelab.ServelabError, match="store.ttl.agnt"):
         servelab.ray_sweep(tiny_sweep, {"store.ttl.agnt": "1h"})
