@@ -71,7 +71,9 @@ pub struct SweepPlan {
     pub jobs: Vec<ExternalJob>,
 }
 
-fn sweep_of(args: &cmd::run::Args) -> Result<(crate::config::LoadedConfig, sweep::spec::Spec, PathBuf)> {
+fn sweep_of(
+    args: &cmd::run::Args,
+) -> Result<(crate::config::LoadedConfig, sweep::spec::Spec, PathBuf)> {
     let (cfg, out) = cmd::run::load(args)?;
     let Some(spec) = sweep::spec::parse(&cfg)? else {
         bail!(
@@ -97,7 +99,13 @@ pub fn sweep_plan(args: &cmd::run::Args) -> Result<SweepPlan> {
 }
 
 /// Runs one point × seed of a sweep into `dir` (see [`sweep::run_point_in_process`]).
-pub fn run_point(path: &Path, text: String, overrides: &[String], seed: u64, dir: &Path) -> Result<()> {
+pub fn run_point(
+    path: &Path,
+    text: String,
+    overrides: &[String],
+    seed: u64,
+    dir: &Path,
+) -> Result<()> {
     let overrides: Vec<Override> = overrides
         .iter()
         .map(|s| Override::parse(s))

@@ -2,9 +2,9 @@
 //! sweep when the config has a `[sweep]` table.
 
 use crate::config::{LoadedConfig, Override};
-use crate::sweep::Runner;
 use crate::exp;
 use crate::output;
+use crate::sweep::Runner;
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};

@@ -28,11 +28,11 @@ use anyhow::{Context, Result, anyhow, bail};
 use headline::Metrics;
 use polars::prelude::*;
 use rayon::prelude::*;
+use serde::Serialize;
 use spec::{Point, Spec, Val};
 use stats::Interval;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use serde::Serialize;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -160,7 +160,12 @@ pub struct ExternalJob {
 
 /// Checks the sweep, prepares its folder (resuming, as the local runner does) and lists the
 /// distinct points × seeds for an outside runner; [`finish_external`] then tabulates them.
-pub fn plan_external(base: &LoadedConfig, spec: &Spec, out: &Path, force: bool) -> Result<Vec<ExternalJob>> {
+pub fn plan_external(
+    base: &LoadedConfig,
+    spec: &Spec,
+    out: &Path,
+    force: bool,
+) -> Result<Vec<ExternalJob>> {
     let (points, jobs) = plan(base, spec, out)?;
     prepare(out, force)?;
     let mut v: Vec<ExternalJob> = Vec::new();
