@@ -171,7 +171,7 @@ impl Manifest {
             experiment: experiment.to_string(),
             config_path: config_path.display().to_string(),
             config: config.to_string(),
-            overrides: run_info().overrides.clone(),
+            overrides: run_info().overrides,
             seed,
             git_commit: git_commit().to_string(),
             servelab_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -185,7 +185,8 @@ pub fn git_commit() -> &'static str {
     option_env!("SERVELAB_GIT_COMMIT").unwrap_or("unknown")
 }
 
-/// The process-wide facts of this invocation, recorded in every manifest it writes.
+/// The facts of this invocation, recorded in every manifest it writes.
+#[derive(Clone)]
 pub struct RunInfo {
     pub command_line: Vec<String>,
     pub overrides: Vec<String>,
@@ -193,25 +194,54 @@ pub struct RunInfo {
     pub started_instant: Instant,
 }
 
+impl RunInfo {
+    fn now(command_line: Vec<String>, overrides: Vec<String>) -> Self {
+        RunInfo {
+            command_line,
+            overrides,
+            started: SystemTime::now(),
+            started_instant: Instant::now(),
+        }
+    }
+}
+
 static RUN_INFO: OnceLock<RunInfo> = OnceLock::new();
+
+thread_local! {
+    /// A run inside a longer-lived process (the Python package, a sweep point run in process)
+    /// has facts of its own: set for the duration of that run on its thread.
+    static SCOPED_RUN_INFO: std::cell::RefCell<Option<RunInfo>> =
+        const { std::cell::RefCell::new(None) };
+}
 
 /// Records the overrides of this invocation (once, before any manifest is written).
 pub fn set_run_info(overrides: Vec<String>) {
-    let _ = RUN_INFO.set(RunInfo {
-        command_line: std::env::args().collect(),
-        overrides,
-        started: SystemTime::now(),
-        started_instant: Instant::now(),
-    });
+    let _ = RUN_INFO.set(RunInfo::now(std::env::args().collect(), overrides));
 }
 
-pub fn run_info() -> &'static RunInfo {
-    RUN_INFO.get_or_init(|| RunInfo {
-        command_line: std::env::args().collect(),
-        overrides: Vec::new(),
-        started: SystemTime::now(),
-        started_instant: Instant::now(),
-    })
+/// Runs `f` with its own run facts (the command line that reproduces it, its overrides and its
+/// start), so that its manifests do not carry those of the process that hosts it.
+pub fn with_run_info<R>(
+    command_line: Vec<String>,
+    overrides: Vec<String>,
+    f: impl FnOnce() -> R,
+) -> R {
+    let previous = SCOPED_RUN_INFO.with(|s| {
+        s.borrow_mut()
+            .replace(RunInfo::now(command_line, overrides))
+    });
+    let r = f();
+    SCOPED_RUN_INFO.with(|s| *s.borrow_mut() = previous);
+    r
+}
+
+pub fn run_info() -> RunInfo {
+    if let Some(i) = SCOPED_RUN_INFO.with(|s| s.borrow().clone()) {
+        return i;
+    }
+    RUN_INFO
+        .get_or_init(|| RunInfo::now(std::env::args().collect(), Vec::new()))
+        .clone()
 }
 
 /// The manifest's `run` section.

@@ -1,7 +1,7 @@
 //! `servelab hit`: explains one hit decision.
 
 use anyhow::{Result, bail};
-use servelab_core::{HitInputs, HitPolicy, ServingConstants};
+use servelab_core::{HitDecision, HitInputs, HitPolicy, ServingConstants};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -29,7 +29,38 @@ pub struct Args {
     pub json: bool,
 }
 
-pub fn run(a: Args) -> Result<()> {
+/// One explained decision: what [`crate::api::hit`] returns and the command prints.
+pub struct Explanation {
+    pub policy: HitPolicy,
+    pub constants: ServingConstants,
+    pub cached_tokens: u32,
+    pub decision: HitDecision,
+    pub baseline_layer_tokens: u64,
+}
+
+impl Explanation {
+    /// The `--json` object (one flat map, also the Python row).
+    pub fn to_json(&self) -> serde_json::Value {
+        let d = &self.decision;
+        serde_json::json!({
+            "policy": self.policy.name(),
+            "prompt_tokens": d.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_tokens": d.hit_tokens,
+            "encoder_tokens": d.encoder_tokens,
+            "encoder_replay_tokens": d.encoder_replay_tokens,
+            "decoder_tokens": d.decoder_tokens,
+            "swa_state_at": d.swa_state_at,
+            "layer_tokens": d.layer_tokens(&self.constants),
+            "baseline_layer_tokens": self.baseline_layer_tokens,
+            "reason": d.reason,
+            "explanation": d.reason.describe(),
+        })
+    }
+}
+
+/// Checks the flags and decides.
+pub fn explain(a: &Args) -> Result<Explanation> {
     let Some(policy) = HitPolicy::parse(&a.policy) else {
         bail!(
             "--policy: unknown policy `{}` (known: {})",
@@ -73,42 +104,39 @@ pub fn run(a: Args) -> Result<()> {
         perfect_hit_tokens: a.cached_tokens,
     };
     // SWA state can only exist for a prefix that is cached.
-    let d = policy.decide(&c, input, |p| p <= a.cached_tokens && a.swa_at.contains(&p));
-    let baseline = servelab_core::hit::baseline_layer_tokens(&c, a.prompt_len);
+    let decision = policy.decide(&c, input, |p| p <= a.cached_tokens && a.swa_at.contains(&p));
+    Ok(Explanation {
+        policy,
+        baseline_layer_tokens: servelab_core::hit::baseline_layer_tokens(&c, a.prompt_len),
+        constants: c,
+        cached_tokens: a.cached_tokens,
+        decision,
+    })
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let e = explain(&a)?;
     if a.json {
-        let v = serde_json::json!({
-            "policy": policy.name(),
-            "prompt_tokens": d.prompt_tokens,
-            "cached_tokens": a.cached_tokens,
-            "hit_tokens": d.hit_tokens,
-            "encoder_tokens": d.encoder_tokens,
-            "encoder_replay_tokens": d.encoder_replay_tokens,
-            "decoder_tokens": d.decoder_tokens,
-            "swa_state_at": d.swa_state_at,
-            "layer_tokens": d.layer_tokens(&c),
-            "baseline_layer_tokens": baseline,
-            "reason": d.reason,
-            "explanation": d.reason.describe(),
-        });
-        println!("{v}");
-    } else {
-        println!("policy          {}", policy.name());
-        println!(
-            "prompt          {} tokens, cached prefix {} tokens",
-            a.prompt_len, a.cached_tokens
-        );
-        println!("hit             {} tokens", d.hit_tokens);
-        println!(
-            "encoder         {} tokens ({} replayed)",
-            d.encoder_tokens, d.encoder_replay_tokens
-        );
-        println!("decoder         {} tokens", d.decoder_tokens);
-        println!(
-            "compute         {} layer-tokens = {:.1}% of the no-cache 40-layer baseline",
-            d.layer_tokens(&c),
-            100.0 * d.layer_tokens(&c) as f64 / baseline.max(1) as f64
-        );
-        println!("why             {}", d.reason.describe());
+        println!("{}", e.to_json());
+        return Ok(());
     }
+    let (d, c) = (&e.decision, &e.constants);
+    println!("policy          {}", e.policy.name());
+    println!(
+        "prompt          {} tokens, cached prefix {} tokens",
+        d.prompt_tokens, e.cached_tokens
+    );
+    println!("hit             {} tokens", d.hit_tokens);
+    println!(
+        "encoder         {} tokens ({} replayed)",
+        d.encoder_tokens, d.encoder_replay_tokens
+    );
+    println!("decoder         {} tokens", d.decoder_tokens);
+    println!(
+        "compute         {} layer-tokens = {:.1}% of the no-cache 40-layer baseline",
+        d.layer_tokens(c),
+        100.0 * d.layer_tokens(c) as f64 / e.baseline_layer_tokens.max(1) as f64
+    );
+    println!("why             {}", d.reason.describe());
     Ok(())
 }

@@ -380,7 +380,36 @@ struct Speed {
     point_replay_requests_per_s: Option<f64>,
 }
 
+/// What a pass gave: the `--json` object, the text report, and whether every point replay
+/// equals the curve (the files are in `out` either way).
+pub struct Outcome {
+    pub json: serde_json::Value,
+    pub text: String,
+    pub all_equal: bool,
+}
+
+impl Outcome {
+    /// The error both the command and the Python function end with when a replay differs.
+    pub fn check(&self) -> Result<()> {
+        if !self.all_equal {
+            bail!("point replays differ from the unsampled curve (see check.csv)");
+        }
+        Ok(())
+    }
+}
+
 pub fn run(a: Args) -> Result<()> {
+    let o = compute(&a)?;
+    if a.json {
+        println!("{}", o.json);
+    } else {
+        print!("{}", o.text);
+    }
+    o.check()
+}
+
+/// Computes the curves, writes the tables, plots, summary and manifest to `a.out`.
+pub fn compute(a: &Args) -> Result<Outcome> {
     let class = TrafficClass::parse(&a.class)
         .with_context(|| format!("--class: unknown class `{}` (agent, chat, other)", a.class))?;
     if a.block_size == Some(0) {
@@ -394,7 +423,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let sampler = servelab_sim::mrc::Sampler::new(a.sample_rate)
         .map_err(|e| anyhow::anyhow!("--sample-rate: {e}"))?;
-    let trace = load(&a, class)?;
+    let trace = load(a, class)?;
     if trace.is_empty() {
         bail!("{}: the trace has no requests", a.trace.display());
     }
@@ -714,7 +743,7 @@ pub fn run(a: Args) -> Result<()> {
             .then(|| requests * replay_times.len() as f64 / replay_times.iter().sum::<f64>()),
     };
     let all_equal = checks.iter().all(|c| c.equal);
-    if a.json {
+    let json = {
         let classes: Vec<_> = main
             .curves()
             .map(|c| {
@@ -728,7 +757,7 @@ pub fn run(a: Args) -> Result<()> {
                 })
             })
             .collect();
-        let v = serde_json::json!({
+        serde_json::json!({
             "trace": a.trace.display().to_string(),
             "requests": trace.len(),
             "block_tokens": trace.block_tokens,
@@ -741,10 +770,18 @@ pub fn run(a: Args) -> Result<()> {
             "checks_equal": all_equal,
             "speed": speed,
             "out": a.out.display().to_string(),
-        });
-        println!("{v}");
-    } else {
-        println!(
+        })
+    };
+    let mut text = String::new();
+    {
+        // One line of the text report.
+        macro_rules! say {
+            ($($t:tt)*) => {{
+                text.push_str(&format!($($t)*));
+                text.push('\n');
+            }};
+        }
+        say!(
             "trace        {} ({} requests, block {} tokens, sample rate {})",
             a.trace.display(),
             trace.len(),
@@ -753,7 +790,7 @@ pub fn run(a: Args) -> Result<()> {
         );
         for c in main.curves() {
             let u = c.unbounded();
-            println!(
+            say!(
                 "{:<12} unbounded: token hit {:.2}%, block hit {:.2}% ({} requests)",
                 c.name(),
                 100.0 * u.token_hit_rate,
@@ -761,13 +798,13 @@ pub fn run(a: Args) -> Result<()> {
                 c.requests
             );
         }
-        println!(
+        say!(
             "saturates at {sat} blocks ({:.3} GB); longest reuse {:.1} s",
             sat as f64 * block_bytes as f64 / 1e9,
             max_reuse.as_secs_f64()
         );
         for e in error_summary.iter().filter(|e| e.class == "all") {
-            println!(
+            say!(
                 "sampling err {:<8} max {:.3} pp, mean {:.3} pp (token); max {:.3} pp (block)",
                 e.curve,
                 100.0 * e.max_abs_token_error,
@@ -776,13 +813,13 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
         if let Some((_, s)) = &exact {
-            println!("one pass     {:.3} s, {:.0} requests/s", s, requests / s);
+            say!("one pass     {:.3} s, {:.0} requests/s", s, requests / s);
         }
         if let Some((_, s)) = &sampled {
-            println!("sampled pass {:.3} s, {:.0} requests/s", s, requests / s);
+            say!("sampled pass {:.3} s, {:.0} requests/s", s, requests / s);
         }
         if let (Some(m), Some(r)) = (speed.point_replay_mean_s, speed.point_replay_requests_per_s) {
-            println!(
+            say!(
                 "point replay {:.3} s each on average, {:.0} requests/s ({} replays: {})",
                 m,
                 r,
@@ -794,12 +831,13 @@ pub fn run(a: Args) -> Result<()> {
                 }
             );
         }
-        println!("wrote        {}", out.dir().display());
+        say!("wrote        {}", out.dir().display());
     }
-    if !all_equal {
-        bail!("point replays differ from the unsampled curve (see check.csv)");
-    }
-    Ok(())
+    Ok(Outcome {
+        json,
+        text,
+        all_equal,
+    })
 }
 
 /// One plotted curve: (label, panel, log axis, points (x, token hit rate, block hit rate)).

@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use servelab_core::{ClassTtl, Nanos, StoreConfig, TrafficClass, parse_duration};
-use servelab_sim::replay::block_replay;
+use servelab_sim::replay::{BlockReplayReport, block_replay};
 use servelab_workloads::Trace;
 use std::path::PathBuf;
 
@@ -66,7 +66,35 @@ impl StorePolicy {
     }
 }
 
-pub fn run(a: Args) -> Result<()> {
+/// A replay's report and the settings it ran with: what [`crate::api::replay`] returns and the
+/// command prints.
+pub struct Outcome {
+    pub report: BlockReplayReport,
+    pub trace: PathBuf,
+    pub block_tokens: u32,
+    pub policy: StorePolicy,
+    pub capacity_bytes: Option<u64>,
+    pub ttl: Option<Nanos>,
+    pub cache_outputs: bool,
+}
+
+impl Outcome {
+    /// The `--json` object: the report and the settings.
+    pub fn to_json(&self) -> Result<serde_json::Value> {
+        let mut v = serde_json::to_value(&self.report)?;
+        let o = v.as_object_mut().expect("report is an object");
+        o.insert("trace".into(), self.trace.display().to_string().into());
+        o.insert("block_tokens".into(), self.block_tokens.into());
+        o.insert("policy".into(), self.policy.name().into());
+        o.insert("capacity_bytes".into(), self.capacity_bytes.into());
+        o.insert("ttl".into(), self.ttl.map(|t| t.to_string()).into());
+        o.insert("cache_outputs".into(), self.cache_outputs.into());
+        Ok(v)
+    }
+}
+
+/// Checks the flags, reads the trace and replays it.
+pub fn replay(a: &Args) -> Result<Outcome> {
     let class = TrafficClass::parse(&a.class)
         .with_context(|| format!("--class: unknown class `{}` (agent, chat, other)", a.class))?;
     if a.block_size == Some(0) {
@@ -131,22 +159,28 @@ pub fn run(a: Args) -> Result<()> {
     };
     let rep = block_replay(&trace, &store, block_bytes, a.cache_outputs)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(Outcome {
+        report: rep,
+        trace: a.trace.clone(),
+        block_tokens: trace.block_tokens,
+        policy,
+        capacity_bytes: capacity,
+        ttl,
+        cache_outputs: a.cache_outputs,
+    })
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let out = replay(&a)?;
+    let rep = &out.report;
     if a.json {
-        let mut v = serde_json::to_value(&rep)?;
-        let o = v.as_object_mut().expect("report is an object");
-        o.insert("trace".into(), a.trace.display().to_string().into());
-        o.insert("block_tokens".into(), trace.block_tokens.into());
-        o.insert("policy".into(), policy.name().into());
-        o.insert("capacity_bytes".into(), capacity.into());
-        o.insert("ttl".into(), ttl.map(|t| t.to_string()).into());
-        o.insert("cache_outputs".into(), a.cache_outputs.into());
-        println!("{v}");
+        println!("{}", out.to_json()?);
     } else {
         println!(
             "trace           {} ({} requests, block {} tokens)",
             a.trace.display(),
             rep.requests,
-            trace.block_tokens
+            out.block_tokens
         );
         println!("input tokens    {}", rep.input_tokens);
         println!(

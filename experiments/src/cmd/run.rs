@@ -4,6 +4,7 @@
 use crate::config::{LoadedConfig, Override};
 use crate::exp;
 use crate::output;
+use crate::sweep::Runner;
 use anyhow::{Context, Result, anyhow, bail};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -64,36 +65,52 @@ pub fn dispatch(ctx: &exp::RunContext) -> Result<()> {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    output::set_run_info(args.set.clone());
+    execute(&args, Runner::Process).map(|_| ())
+}
+
+/// The config of `args` with its overrides and seed applied, and the output folder it runs
+/// into.
+pub fn load(args: &Args) -> Result<(LoadedConfig, PathBuf)> {
     let overrides: Vec<Override> = args
         .set
         .iter()
         .map(|s| Override::parse(s))
         .collect::<Result<_>>()?;
-    output::set_run_info(args.set.clone());
     let mut cfg = LoadedConfig::load_with(&args.config, overrides)?;
     if let Some(s) = args.seed {
         cfg.header.seed = s;
     }
     let out = cfg.header.out_dir(args.out.as_deref());
+    Ok((cfg, out))
+}
+
+/// Runs the experiment (or the sweep, its points run by `runner`) and returns the folder its
+/// outputs are in.
+pub fn execute(args: &Args, runner: Runner) -> Result<PathBuf> {
+    let (cfg, out) = load(args)?;
     if !args.point
         && let Some(spec) = crate::sweep::spec::parse(&cfg)?
     {
         let base_overrides = cfg.overrides.clone();
-        return crate::sweep::run(
+        crate::sweep::run(
             cfg,
             spec,
             &crate::sweep::Options {
-                out,
+                out: out.clone(),
                 quiet: args.quiet,
                 force: args.force,
                 json: args.json,
                 jobs: args.jobs,
                 base_overrides: &base_overrides,
+                runner,
             },
-        );
+        )?;
+        return Ok(out);
     }
     if args.json {
-        return run_json(&args, &out);
+        run_json(args, &out)?;
+        return Ok(out);
     }
     output::prepare_out_dir(&out, args.force, &[])?;
     println!(
@@ -117,10 +134,11 @@ pub fn run(args: Args) -> Result<()> {
     );
     let ctx = exp::RunContext {
         config: cfg,
-        out,
+        out: out.clone(),
         quiet: args.quiet,
     };
-    dispatch(&ctx)
+    dispatch(&ctx)?;
+    Ok(out)
 }
 
 /// `--json`: the run itself in a child process whose report goes to stderr, then summary.json

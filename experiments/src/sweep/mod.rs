@@ -28,6 +28,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use headline::Metrics;
 use polars::prelude::*;
 use rayon::prelude::*;
+use serde::Serialize;
 use spec::{Point, Spec, Val};
 use stats::Interval;
 use std::collections::BTreeMap;
@@ -46,6 +47,19 @@ pub struct Options<'a> {
     /// `--set` overrides of the whole sweep (every point gets them first).
     #[allow(dead_code)]
     pub base_overrides: &'a [Override],
+    /// How each point × seed runs.
+    pub runner: Runner,
+}
+
+/// How the local runner runs a point × seed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runner {
+    /// As a `servelab run --point` child process of the running binary (the command line's
+    /// way: a crash or an abort takes down one point, and its output goes to `log.txt`).
+    Process,
+    /// In this process, through [`run_point_in_process`] (the Python package's way, whose
+    /// executable is the interpreter, not `servelab`).
+    InProcess,
 }
 
 /// One run of the sweep: a point and a seed.
@@ -96,16 +110,14 @@ fn check_point(cfg: LoadedConfig, kind: &str, out: &Path) -> Result<String> {
     }
 }
 
-pub fn run(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
-    let path = base.path.display().to_string();
+/// Every point checked (a bad key or value fails now, naming the point and the key) and every
+/// point × seed with its id and folder; nothing runs.
+fn plan(base: &LoadedConfig, spec: &Spec, out: &Path) -> Result<(Vec<Point>, Vec<Job>)> {
     let kind = base.header.kind.clone();
     let points = spec.points();
-    let out = &opt.out;
-    // Every point is checked before anything runs: a bad key or value fails now, naming the
-    // point and the key.
     let mut jobs = Vec::new();
     for (i, p) in points.iter().enumerate() {
-        let cfg = point_config(&base, p)
+        let cfg = point_config(base, p)
             .map_err(|e| anyhow!("sweep point {} ({}): {e:#}", i, spec.point_label(p)))?;
         let canonical = check_point(cfg, &kind, out).map_err(|e| {
             anyhow!(
@@ -124,8 +136,83 @@ pub fn run(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
             });
         }
     }
+    Ok((points, jobs))
+}
+
+fn is_done(j: &Job) -> bool {
+    j.dir.join("point.json").is_file() && j.dir.join("summary.json").is_file()
+}
+
+/// One point × seed for a runner outside this process (Ray): where its files go, the overrides
+/// and seed it runs with, and the `point.json` that marks it finished.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExternalJob {
+    pub id: String,
+    pub point: usize,
+    pub seed: u64,
+    pub dir: PathBuf,
+    /// The sweep's own overrides, then the point's.
+    pub overrides: Vec<String>,
+    pub done: bool,
+    /// The contents of `point.json`, to be written once the point's files are in `dir`.
+    pub record: String,
+}
+
+/// Checks the sweep, prepares its folder (resuming, as the local runner does) and lists the
+/// distinct points × seeds for an outside runner; [`finish_external`] then tabulates them.
+pub fn plan_external(
+    base: &LoadedConfig,
+    spec: &Spec,
+    out: &Path,
+    force: bool,
+) -> Result<Vec<ExternalJob>> {
+    let (points, jobs) = plan(base, spec, out)?;
+    prepare(out, force)?;
+    let mut v: Vec<ExternalJob> = Vec::new();
+    for j in &jobs {
+        if v.iter().any(|x| x.id == j.id) {
+            continue;
+        }
+        let p = &points[j.point];
+        v.push(ExternalJob {
+            id: j.id.clone(),
+            point: j.point,
+            seed: j.seed,
+            dir: j.dir.clone(),
+            overrides: base
+                .overrides
+                .iter()
+                .chain(&p.overrides)
+                .map(|o| o.to_string())
+                .collect(),
+            done: is_done(j),
+            record: point_record(j, p)?,
+        });
+    }
+    Ok(v)
+}
+
+/// Tabulates a sweep whose points an outside runner finished (see [`plan_external`]).
+pub fn finish_external(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
+    let (points, jobs) = plan(&base, &spec, &opt.out)?;
+    if let Some(j) = jobs.iter().find(|j| !is_done(j)) {
+        bail!(
+            "sweep point {} (seed {}) has not finished: no point.json and summary.json in {}",
+            j.point,
+            j.seed,
+            j.dir.display()
+        );
+    }
+    finish(&base, &spec, &points, &jobs, opt)
+}
+
+pub fn run(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
+    let path = base.path.display().to_string();
+    let kind = base.header.kind.clone();
+    let out = &opt.out;
+    let (points, jobs) = plan(&base, &spec, out)?;
     prepare(out, opt.force)?;
-    let done = |j: &Job| j.dir.join("point.json").is_file() && j.dir.join("summary.json").is_file();
+    let done = is_done;
     // Two points with the same effective config share one run.
     let mut todo: Vec<&Job> = Vec::new();
     for j in jobs.iter().filter(|j| !done(j)) {
@@ -154,10 +241,23 @@ pub fn run(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
         println!("{header}");
     }
     run_jobs(&base, &spec, &points, &todo, n_jobs, opt)?;
+    finish(&base, &spec, &points, &jobs, opt)
+}
 
+/// Gathers every point's summary.json and writes the sweep's tables, plots and summaries.
+fn finish(
+    base: &LoadedConfig,
+    spec: &Spec,
+    points: &[Point],
+    jobs: &[Job],
+    opt: &Options,
+) -> Result<()> {
+    let path = base.path.display().to_string();
+    let kind = base.header.kind.clone();
+    let out = &opt.out;
     // Gather.
     let mut results: Vec<Metrics> = Vec::new();
-    for j in &jobs {
+    for j in jobs {
         let p = j.dir.join("summary.json");
         let text =
             std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
@@ -180,22 +280,22 @@ pub fn run(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
         );
     }
     let mut w = RunOutput::create(out)?;
-    let mut tidy = tidy_table(&spec, &points, &jobs, &results, &names)?;
+    let mut tidy = tidy_table(spec, points, jobs, &results, &names)?;
     w.write_table("sweep", &mut tidy)?;
-    let stats = point_stats(&points, &jobs, &results, &names);
-    let mut st = summary_table(&spec, &points, &names, &stats)?;
+    let stats = point_stats(points, jobs, &results, &names);
+    let mut st = summary_table(spec, points, &names, &stats)?;
     w.write_table("sweep_summary", &mut st)?;
-    let warnings = warnings(&spec, &points, &jobs, &results, &names, &stats);
+    let warnings = warnings(spec, points, jobs, &results, &names, &stats);
     for wmsg in &warnings {
         eprintln!("warning: {wmsg}");
     }
-    let plotted = plot_metrics(&spec, &names, &stats);
+    let plotted = plot_metrics(spec, &names, &stats);
     if !plotted.is_empty() {
         std::fs::create_dir_all(out.join("plots"))?;
     }
     for m in &plotted {
         let p = w.path(&format!("plots/{}.svg", file_slug(m)));
-        plot_metric(&p, &spec, &points, m, &stats)?;
+        plot_metric(&p, spec, points, m, &stats)?;
     }
     let mut flat = Metrics::new();
     for (i, p) in points.iter().enumerate() {
@@ -212,7 +312,7 @@ pub fn run(base: LoadedConfig, spec: Spec, opt: &Options) -> Result<()> {
     }
     w.write_summary_json(&flat)?;
     let md = summary_md(
-        &path, &kind, &spec, &points, &names, &plotted, &stats, &warnings,
+        &path, &kind, spec, points, &names, &plotted, &stats, &warnings,
     );
     w.write_text("summary.md", &md)?;
     let mut m = Manifest::new(
@@ -259,7 +359,10 @@ fn run_jobs(
     if todo.is_empty() {
         return Ok(());
     }
-    let exe = std::env::current_exe().context("locating the servelab binary")?;
+    let exe = match opt.runner {
+        Runner::Process => Some(std::env::current_exe().context("locating the servelab binary")?),
+        Runner::InProcess => None,
+    };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = (cores / n_jobs.min(todo.len())).max(1);
     let pb = progress(opt.quiet, todo.len() as u64);
@@ -277,7 +380,7 @@ fn run_jobs(
                 }
                 let p = &points[j.point];
                 let started = std::time::Instant::now();
-                let r = run_one(&exe, base, p, j, threads);
+                let r = run_one(opt.runner, exe.as_deref(), base, p, j, threads);
                 if r.is_err() {
                     stop.store(true, Ordering::Relaxed);
                 }
@@ -336,9 +439,47 @@ fn progress(quiet: bool, len: u64) -> indicatif::ProgressBar {
     pb
 }
 
-/// Runs one point × seed as a child process; its stdout and stderr go to `log.txt` there.
-fn run_one(exe: &Path, base: &LoadedConfig, p: &Point, j: &Job, threads: usize) -> Result<()> {
+/// Runs one point × seed with the sweep's runner, then marks it finished with `point.json`.
+fn run_one(
+    runner: Runner,
+    exe: Option<&Path>,
+    base: &LoadedConfig,
+    p: &Point,
+    j: &Job,
+    threads: usize,
+) -> Result<()> {
     std::fs::create_dir_all(&j.dir).with_context(|| format!("creating {}", j.dir.display()))?;
+    let overrides: Vec<Override> = base.overrides.iter().chain(&p.overrides).cloned().collect();
+    match (runner, exe) {
+        (Runner::Process, Some(exe)) => run_child(exe, base, &overrides, j, threads)?,
+        _ => run_point_in_process(&base.path, base.text.clone(), overrides, j.seed, &j.dir)?,
+    }
+    let record = point_record(j, p)?;
+    std::fs::write(j.dir.join("point.json"), record)
+        .with_context(|| format!("writing {}", j.dir.join("point.json").display()))?;
+    Ok(())
+}
+
+/// The `point.json` of a finished point × seed.
+fn point_record(j: &Job, p: &Point) -> Result<String> {
+    let record = serde_json::json!({
+        "id": j.id,
+        "point": j.point,
+        "seed": j.seed,
+        "overrides": p.overrides.iter().map(|o| o.to_string()).collect::<Vec<_>>(),
+    });
+    Ok(serde_json::to_string_pretty(&record)? + "\n")
+}
+
+/// Runs one point × seed as a `servelab run --point` child process; its stdout and stderr go
+/// to `log.txt` in its folder.
+fn run_child(
+    exe: &Path,
+    base: &LoadedConfig,
+    overrides: &[Override],
+    j: &Job,
+    threads: usize,
+) -> Result<()> {
     let log_path = j.dir.join("log.txt");
     let log = std::fs::File::create(&log_path)
         .with_context(|| format!("creating {}", log_path.display()))?;
@@ -352,7 +493,7 @@ fn run_one(exe: &Path, base: &LoadedConfig, p: &Point, j: &Job, threads: usize) 
         .arg(j.seed.to_string())
         .arg("--quiet")
         .arg("--force");
-    for o in base.overrides.iter().chain(&p.overrides) {
+    for o in overrides {
         cmd.arg("--set").arg(o.to_string());
     }
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
@@ -374,18 +515,46 @@ fn run_one(exe: &Path, base: &LoadedConfig, p: &Point, j: &Job, threads: usize) 
             tail.join("\n")
         );
     }
-    let record = serde_json::json!({
-        "id": j.id,
-        "point": j.point,
-        "seed": j.seed,
-        "overrides": p.overrides.iter().map(|o| o.to_string()).collect::<Vec<_>>(),
-    });
-    std::fs::write(
-        j.dir.join("point.json"),
-        serde_json::to_string_pretty(&record)? + "\n",
-    )
-    .with_context(|| format!("writing {}", j.dir.join("point.json").display()))?;
     Ok(())
+}
+
+/// Runs one point × seed in this process into `dir`, as `servelab run CONFIG --point --seed
+/// SEED --set ... --out DIR --force --quiet` does: the config's text (with its `[sweep]` table,
+/// which a point ignores) under its path, which names it in errors and anchors its relative
+/// paths. The Ray runner calls this on its workers with the text the driver read.
+pub fn run_point_in_process(
+    path: &Path,
+    text: String,
+    overrides: Vec<Override>,
+    seed: u64,
+    dir: &Path,
+) -> Result<()> {
+    let set: Vec<String> = overrides.iter().map(|o| o.to_string()).collect();
+    let mut cfg = LoadedConfig::from_text(path, text, overrides)?;
+    cfg.header.seed = seed;
+    output::prepare_out_dir(dir, true, &[])?;
+    let mut command_line: Vec<String> = vec![
+        "servelab".into(),
+        "run".into(),
+        path.display().to_string(),
+        "--point".into(),
+        "--out".into(),
+        dir.display().to_string(),
+        "--seed".into(),
+        seed.to_string(),
+        "--quiet".into(),
+        "--force".into(),
+    ];
+    for o in &set {
+        command_line.push("--set".into());
+        command_line.push(o.clone());
+    }
+    let ctx = crate::exp::RunContext {
+        config: cfg,
+        out: dir.to_path_buf(),
+        quiet: true,
+    };
+    output::with_run_info(command_line, set, || crate::cmd::run::dispatch(&ctx))
 }
 
 /// The column of one swept key, typed by its values.
