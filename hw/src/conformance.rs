@@ -288,6 +288,7 @@ impl ConformanceFile {
             series_interval: Nanos::from_secs(1),
             sample_every: 1,
             touch_coalesce: Nanos::ZERO,
+            elastic: Default::default(),
         };
         unit.validate().map_err(|e| prefixed(e, "conformance"))?;
         if c.swa.machines < unit.machines() {

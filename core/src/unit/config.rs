@@ -87,6 +87,27 @@ impl Default for DecodePoolConfig {
     }
 }
 
+/// How the unit's decode groups shut down and fail over (SPEC §8).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ElasticConfig {
+    /// A decode group told to shut down keeps decoding this long, then forwards what is left.
+    pub drain_grace: Nanos,
+    /// From a decode rank's failure to its group's restart on the ranks left (EP failover).
+    pub decode_recovery: Nanos,
+}
+
+impl Default for ElasticConfig {
+    fn default() -> Self {
+        ElasticConfig {
+            drain_grace: Nanos::from_secs(60),
+            // servelab's choice: detection, a new EP communicator and the experts' weights
+            // loaded onto the survivors.
+            decode_recovery: Nanos::from_secs(30),
+        }
+    }
+}
+
 /// Everything a [`crate::unit::ServingUnit`] is built from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UnitConfig {
@@ -109,6 +130,7 @@ pub struct UnitConfig {
     pub sample_every: u32,
     /// A session's reused blocks are re-touched at most this often (0 = every turn).
     pub touch_coalesce: Nanos,
+    pub elastic: ElasticConfig,
 }
 
 impl UnitConfig {

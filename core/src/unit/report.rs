@@ -218,6 +218,48 @@ pub struct ServiceReport {
     pub engines: Vec<EngineRow>,
     /// The storage cluster: failures, losses, degraded reads, rebuilds, writes.
     pub storage: StorageReport,
+    /// Drains, compute failures and what they moved (left out of the report when none).
+    #[serde(skip_serializing_if = "FaultReport::is_empty")]
+    pub faults: FaultReport,
+}
+
+/// What the unit's drains and compute failures did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct FaultReport {
+    /// Decode groups told to shut down, and those already down when told.
+    pub drains: u64,
+    pub drains_ignored: u64,
+    /// Decode ranks, prefill engines and SWA hosts that failed; failures of a device already
+    /// down (ignored); repairs.
+    pub decode_rank_failures: u64,
+    pub prefill_engine_failures: u64,
+    pub swa_host_failures: u64,
+    pub failures_ignored: u64,
+    pub repairs: u64,
+    /// Decode groups restarted on the ranks left, and the ranks they restarted with.
+    pub group_restarts: u64,
+    pub restart_ranks: Vec<u32>,
+    /// Decode steps in flight on a failed group (their tokens are lost and decoded again).
+    pub lost_decode_steps: u64,
+    /// Unfinished requests forwarded with their KV to another group, and the bytes moved.
+    pub forwarded_requests: u64,
+    pub forwarded_bytes: u64,
+    /// Requests whose KV died with a rank, prefilled again (prompt from the store's hits, the
+    /// tokens emitted so far recomputed), and the tokens recomputed.
+    pub reprefilled_requests: u64,
+    pub reprefill_tokens: u64,
+    /// Prefill jobs taken off a failed engine and given back to the balancer.
+    pub requeued_prefill_jobs: u64,
+    /// SWA states lost with their host.
+    pub swa_states_lost: u64,
+    /// Requests that waited for a decode group to come back up.
+    pub parked_requests: u64,
+}
+
+impl FaultReport {
+    pub fn is_empty(&self) -> bool {
+        *self == FaultReport::default()
+    }
 }
 
 impl ServiceReport {
