@@ -95,6 +95,21 @@ pub struct ElasticConfig {
     pub drain_grace: Nanos,
     /// From a decode rank's failure to its group's restart on the ranks left (EP failover).
     pub decode_recovery: Nanos,
+    /// Where the sequences of a failed group's surviving ranks go.
+    pub survivors: SurvivorPolicy,
+}
+
+/// What happens to the sequences on the surviving ranks of a group whose rank failed (those
+/// on the dead rank lost their KV and are always prefilled again).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SurvivorPolicy {
+    /// Their KV is still in HBM: migrated to another group over the handoff link.
+    #[default]
+    Migrate,
+    /// Prefilled again like the dead rank's (the prompt from the store's hits): the
+    /// comparison baseline for the migration.
+    Reprefill,
 }
 
 impl Default for ElasticConfig {
@@ -104,6 +119,7 @@ impl Default for ElasticConfig {
             // servelab's choice: detection, a new EP communicator and the experts' weights
             // loaded onto the survivors.
             decode_recovery: Nanos::from_secs(30),
+            survivors: SurvivorPolicy::Migrate,
         }
     }
 }

@@ -9,7 +9,9 @@
 //! drain); a sequence on the dead rank has lost its KV and is prefilled again: its prompt goes
 //! through the hit rule against the store (which holds the prompt's blocks since its first
 //! prefill, unless evicted), and the tokens it emitted so far are recomputed as new tokens of
-//! the job. The report counts both (`forwarded_*`, `reprefill*`).
+//! the job. The report counts both (`forwarded_*`, `reprefill*`). `elastic.survivors =
+//! "reprefill"` prefills the survivors' sequences again too, the baseline the migration is
+//! measured against.
 //!
 //! A request that needs a decode group when none is up waits ("parked") if a stopped group
 //! will restart, and is rejected with [`Rejection::NoDecodeGroup`] otherwise.
@@ -17,6 +19,7 @@
 use crate::engine::Evicted;
 use crate::time::Nanos;
 use crate::unit::ServingUnit;
+use crate::unit::config::SurvivorPolicy;
 use crate::unit::decode_pool::{AdmitError, GroupStatus};
 use crate::unit::failover::Failover;
 use crate::unit::io::{Fault, Output, Rejection, Timer};
@@ -139,9 +142,11 @@ impl ServingUnit<'_> {
         let lost = std::mem::take(&mut self.faults.lost[g]);
         let kv_bytes = u64::from(self.cfg.constants.kv_bytes_per_token);
         let swa_bytes = self.cfg.constants.swa_state_bytes();
+        // A drain loses no rank; a failure loses one, and its survivors follow the policy.
+        let all = !lost.is_empty() && self.cfg.elastic.survivors == SurvivorPolicy::Reprefill;
         for e in &evicted {
             let i = e.request.0 as usize;
-            if lost.contains(&e.rank) {
+            if all || lost.contains(&e.rank) {
                 self.reprefill(now, i, sh, out);
             } else {
                 self.faults.report.forwarded_requests += 1;

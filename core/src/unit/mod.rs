@@ -24,7 +24,7 @@ pub mod report;
 pub mod shared;
 pub mod state;
 
-pub use config::{DecodePoolConfig, ElasticConfig, PrefillPoolConfig, UnitConfig};
+pub use config::{DecodePoolConfig, ElasticConfig, PrefillPoolConfig, SurvivorPolicy, UnitConfig};
 pub use drive::{Environment, Observer, RunError, run};
 pub use entry::swa_object_key;
 pub use histogram::Histogram;

@@ -8,6 +8,7 @@
 //! [service.faults]
 //! drain_grace = "60s"        # a drained decode group decodes this long, then forwards
 //! decode_recovery = "30s"    # a failed rank's group restarts on the ranks left after this
+//! survivors = "migrate"      # or "reprefill": the surviving ranks' sequences of that group
 //! [[service.faults.events]]
 //! kind = "decode-rank"       # or "drain" (group), "prefill-engine" (engine), "swa-host" (machine)
 //! group = 0
@@ -24,7 +25,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use servelab_core::seed::sub_seed;
-use servelab_core::unit::{ElasticConfig, Fault, Input};
+use servelab_core::unit::{ElasticConfig, Fault, Input, SurvivorPolicy};
 use servelab_core::{ConfigError, MachineId, Nanos};
 
 /// What a scheduled event does.
@@ -69,6 +70,8 @@ pub struct FaultsConfig {
     /// Defaults of [`ElasticConfig`] when absent.
     pub drain_grace: Option<Nanos>,
     pub decode_recovery: Option<Nanos>,
+    /// "migrate" (default) or "reprefill": the surviving ranks' sequences of a failed group.
+    pub survivors: Option<SurvivorPolicy>,
     pub events: Vec<FaultEvent>,
     pub random: Option<RandomGpuFaults>,
 }
@@ -92,6 +95,7 @@ impl FaultsConfig {
         ElasticConfig {
             drain_grace: self.drain_grace.unwrap_or(d.drain_grace),
             decode_recovery: self.decode_recovery.unwrap_or(d.decode_recovery),
+            survivors: self.survivors.unwrap_or(d.survivors),
         }
     }
 
