@@ -289,6 +289,7 @@ impl ConformanceFile {
             sample_every: 1,
             touch_coalesce: Nanos::ZERO,
             elastic: Default::default(),
+            autoscale: None,
         };
         unit.validate().map_err(|e| prefixed(e, "conformance"))?;
         if c.swa.machines < unit.machines() {

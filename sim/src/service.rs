@@ -16,7 +16,7 @@ use crate::profile::{HardwareProfile, ProfileFiles};
 use serde::{Deserialize, Serialize};
 use servelab_core::eplb::ExpertLoadConfig;
 use servelab_core::unit::drive::{NoObserver, Observer};
-use servelab_core::unit::{RunError, ServingUnit, SharedCache, UnitConfig};
+use servelab_core::unit::{AutoscaleConfig, RunError, ServingUnit, SharedCache, UnitConfig};
 use servelab_core::{
     ConfigError, HitPolicy, Nanos, Request, ServingConstants, StoreConfig, SwaConfig,
 };
@@ -155,6 +155,10 @@ pub struct ServiceConfig {
     /// Decode drains and compute failures ([`crate::env::faults`]); none by default.
     #[serde(skip_serializing_if = "FaultsConfig::is_default")]
     pub faults: FaultsConfig,
+    /// Pools sized over time within `prefill.gpus` engines and `decode.groups` groups
+    /// ([`servelab_core::unit::autoscale`]); fixed pools when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub autoscale: Option<AutoscaleConfig>,
 }
 
 impl Default for ServiceConfig {
@@ -183,6 +187,7 @@ impl Default for ServiceConfig {
             sample_every: 100,
             touch_coalesce: Nanos::from_secs(60),
             faults: FaultsConfig::default(),
+            autoscale: None,
         }
     }
 }
@@ -324,6 +329,7 @@ impl ServiceConfig {
             sample_every: self.sample_every,
             touch_coalesce: self.touch_coalesce,
             elastic: self.faults.elastic(),
+            autoscale: self.autoscale.clone(),
         }
     }
 }

@@ -147,6 +147,8 @@ pub struct UnitConfig {
     /// A session's reused blocks are re-touched at most this often (0 = every turn).
     pub touch_coalesce: Nanos,
     pub elastic: ElasticConfig,
+    /// Pools sized over time (None: fixed pools as configured).
+    pub autoscale: Option<crate::unit::autoscale::AutoscaleConfig>,
 }
 
 impl UnitConfig {
@@ -203,6 +205,9 @@ impl UnitConfig {
         }
         if self.sample_every == 0 {
             return Err(ConfigError::invalid("sample_every", "must be positive"));
+        }
+        if let Some(a) = &self.autoscale {
+            a.validate(p.gpus, d.groups)?;
         }
         Ok(())
     }

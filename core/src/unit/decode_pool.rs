@@ -140,6 +140,8 @@ pub enum GroupStatus {
     Evicting { discard: bool },
     /// Stopped by a failed rank, waiting to restart on the ranks left.
     Stopped,
+    /// Added by the autoscaler: paid for, serving after the provisioning delay.
+    Provisioning,
     /// Drained, or without a live rank: holds nothing and admits nothing.
     Retired,
 }

@@ -59,6 +59,26 @@ impl FaultState {
         }
     }
 
+    /// Group `g` starts out of service (the autoscaler's pool starts smaller).
+    pub fn mark_off(&mut self, g: usize) {
+        self.drained[g] = true;
+    }
+    /// Group `g` gets fresh GPUs (all `ranks` of them) from the autoscaler.
+    pub fn provision(&mut self, g: usize, ranks: u32) {
+        self.alive[g] = (0..ranks).collect();
+        self.lost[g].clear();
+        self.retire[g] = false;
+        self.drained[g] = false;
+    }
+    /// Whether group `g` was told to shut down (or never started).
+    pub fn is_drained(&self, g: usize) -> bool {
+        self.drained[g]
+    }
+    /// Whether group `g` retires after its coming eviction.
+    pub fn is_retiring(&self, g: usize) -> bool {
+        self.retire[g] || self.alive[g].is_empty()
+    }
+
     /// Requests parked and not yet placed.
     pub fn parked(&self) -> usize {
         self.parked.len()
@@ -98,6 +118,7 @@ impl ServingUnit<'_> {
                 self.stop_group(now, g, false, sh, o);
             }
             Timer::GroupRestart(g) => self.restart(now, g as usize, o),
+            Timer::Provisioned(d) => self.provisioned(now, d, o),
         }
     }
 
@@ -176,7 +197,7 @@ impl ServingUnit<'_> {
     /// Whether a group is stopped or being stopped with a restart to come.
     fn restart_coming(&self) -> bool {
         (0..self.faults.alive.len()).any(|g| match self.decode.status(g) {
-            GroupStatus::Stopped => true,
+            GroupStatus::Stopped | GroupStatus::Provisioning => true,
             GroupStatus::Evicting { .. } => {
                 !self.faults.retire[g] && !self.faults.alive[g].is_empty()
             }
@@ -263,7 +284,7 @@ impl ServingUnit<'_> {
         self.faults.alive[g].remove(current);
         match status {
             // Stopped, or drained: no KV left on it; the restart uses the ranks left.
-            GroupStatus::Stopped | GroupStatus::Retired => {}
+            GroupStatus::Stopped | GroupStatus::Retired | GroupStatus::Provisioning => {}
             _ => {
                 if status == GroupStatus::Draining {
                     self.faults.retire[g] = true;
@@ -285,6 +306,15 @@ impl ServingUnit<'_> {
             self.reject_parked_if_hopeless(out);
             return;
         }
+        self.faults.report.group_restarts += 1;
+        self.faults.report.restart_ranks.push(ranks);
+        self.bring_up(now, g, out);
+    }
+
+    /// Group `g` (holding nothing) serves on the ranks it has alive, its experts placed on
+    /// them, and takes the requests that waited for a group.
+    pub(crate) fn bring_up(&mut self, now: Nanos, g: usize, out: &mut Vec<Output>) {
+        let ranks = self.faults.alive[g].len() as u32;
         let mut cfg = self.cfg.group_config();
         cfg.ranks = ranks;
         cfg.expert_imbalance = self.faults.failover.factor(ranks);
@@ -296,8 +326,6 @@ impl ServingUnit<'_> {
         .expect("a valid group config with fewer ranks is valid");
         self.decode.replace_group(g, group);
         self.decode.set_status(g, GroupStatus::Up);
-        self.faults.report.group_restarts += 1;
-        self.faults.report.restart_ranks.push(ranks);
         self.place_parked(now, out);
     }
 

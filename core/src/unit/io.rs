@@ -64,6 +64,8 @@ pub enum Timer {
     DrainDeadline(u32),
     /// Decode group `g`, stopped by a failed rank, restarts on its remaining ranks.
     GroupRestart(u32),
+    /// A device the autoscaler added is provisioned and serves.
+    Provisioned(DeviceId),
 }
 
 /// Why a request did not complete.

@@ -312,6 +312,11 @@ impl UnitMetrics {
         self.series.push(row);
     }
 
+    /// Prefill engine time spent in steps in the current interval (ns).
+    pub fn interval_prefill_busy_ns(&self) -> u64 {
+        self.cur.prefill_busy
+    }
+
     /// Rows of interval series written so far.
     pub fn series_len(&self) -> usize {
         self.series.len()
@@ -474,6 +479,7 @@ impl UnitMetrics {
             engines,
             storage: StorageReport::default(),
             faults: Default::default(),
+            autoscale: None,
         }
     }
 }

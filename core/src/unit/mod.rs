@@ -9,6 +9,7 @@
 //! key, write-back), [`prefill_pool`] (balancer + engines), [`decode_pool`] (balancer + EP
 //! groups, async double buffer), [`metrics`] (what the report is built from).
 
+pub mod autoscale;
 pub mod config;
 pub mod decode_pool;
 pub mod drive;
@@ -21,17 +22,19 @@ pub mod metrics;
 pub mod prefill_faults;
 pub mod prefill_pool;
 pub mod report;
+pub mod scaling;
 pub mod shared;
 pub mod state;
 
+pub use autoscale::{AutoscaleConfig, Bounds, ScalePolicy};
 pub use config::{DecodePoolConfig, ElasticConfig, PrefillPoolConfig, SurvivorPolicy, UnitConfig};
 pub use drive::{Environment, Observer, RunError, run};
 pub use entry::swa_object_key;
 pub use histogram::Histogram;
 pub use io::{DeviceId, Fault, Input, Outcome, Output, Rejection, Timer};
 pub use report::{
-    EngineRow, FaultReport, Latencies, RejectionCount, RequestRow, SeriesRow, ServiceReport,
-    SteadyState,
+    AutoscaleReport, EngineRow, FaultReport, Latencies, RejectionCount, RequestRow, ScaleRow,
+    SeriesRow, ServiceReport, SteadyState,
 };
 pub use shared::SharedCache;
 
@@ -60,6 +63,7 @@ pub struct ServingUnit<'a> {
     /// Stripes of a store fetch (only used to prefetch the keys the fetch will read).
     fetch_stripes: usize,
     faults: FaultState,
+    scaling: Option<scaling::Scaling>,
 }
 
 impl<'a> ServingUnit<'a> {
@@ -85,7 +89,7 @@ impl<'a> ServingUnit<'a> {
             ));
         }
         let last = reqs.iter().map(|r| r.arrival).max().unwrap_or(Nanos::ZERO);
-        Ok(ServingUnit {
+        let mut unit = ServingUnit {
             entry: Entrypoint::new(
                 cfg.constants.clone(),
                 cfg.hit_policy,
@@ -102,11 +106,14 @@ impl<'a> ServingUnit<'a> {
             metrics: UnitMetrics::new(&cfg, last),
             state: vec![RequestState::NEW; reqs.len()],
             reqs,
-            cfg,
             pending: 0,
             arrived: 0,
             fetch_stripes: 8,
-        })
+            scaling: cfg.autoscale.clone().map(scaling::Scaling::new),
+            cfg,
+        };
+        unit.scale_to_initial();
+        Ok(unit)
     }
 
     /// Sets how many stripes the environment's store fetch reads (a prefetching hint only).
@@ -203,6 +210,9 @@ impl<'a> ServingUnit<'a> {
             }
             Input::HandoffDone(i) => self.place_in_decode(now, i as usize, out),
             Input::Tick => {
+                if self.scaling.is_some() {
+                    self.autoscale_tick(now, out);
+                }
                 let gpus = (
                     self.cfg.prefill.gpus,
                     self.cfg.decode.groups * self.cfg.decode.ranks,
@@ -352,6 +362,9 @@ impl<'a> ServingUnit<'a> {
                 });
                 continue;
             }
+            if let Some(s) = self.scaling.as_mut() {
+                s.on_first_token(now - self.state[i].arrival);
+            }
             let st = &mut self.state[i];
             st.first_token = now;
             st.last_token = now;
@@ -466,6 +479,14 @@ impl<'a> ServingUnit<'a> {
             self.store_swa(now, i, r.context_tokens(), MachineId(machine), sh);
         }
         self.entry.record_output(r, sh);
+        if let Some(s) = self.scaling.as_mut() {
+            let st = &self.state[i];
+            if st.emitted > 1 {
+                s.on_complete(Nanos(
+                    (st.last_token - st.first_token).0 / u64::from(st.emitted - 1),
+                ));
+            }
+        }
         self.metrics.on_complete(now, i, r, &self.state[i]);
         out.push(Output::Finished {
             request: i as u32,
@@ -530,6 +551,7 @@ impl<'a> ServingUnit<'a> {
         };
         let mut report = self.metrics.into_report(f);
         report.faults = self.faults.report;
+        report.autoscale = self.scaling.map(|s| s.report);
         Ok(report)
     }
 }

@@ -48,8 +48,12 @@ pub struct PrefillPool {
     pub(crate) finished: Vec<PrefillJob>,
     /// The wake-up asked for and not yet delivered (None: none pending).
     wake_at: Option<Nanos>,
-    /// Engines that failed and are not back; empty while none ever failed.
-    down: Vec<bool>,
+    /// Engines that failed and are not back; empty while none ever failed or closed.
+    failed: Vec<bool>,
+    /// Engines the autoscaler took out of service (they finish what they hold).
+    closed: Vec<bool>,
+    /// Closed engines the autoscaler is bringing back (paid for, not serving yet).
+    provisioning: Vec<bool>,
     /// Engines whose step was in flight when they failed: its end is still to come, and the
     /// engine serves again only after it (so a late answer cannot be taken for a new step's).
     aborted: Vec<bool>,
@@ -93,7 +97,9 @@ impl PrefillPool {
             least_loaded: matches!(cfg.lb, PrefillLbPolicy::LeastLoaded),
             finished: Vec::new(),
             wake_at: None,
-            down: Vec::new(),
+            failed: Vec::new(),
+            closed: Vec::new(),
+            provisioning: Vec::new(),
             aborted: Vec::new(),
             up_after_abort: Vec::new(),
         })
@@ -269,40 +275,47 @@ impl PrefillPool {
         self.engines[e].complete_step(plan, &mut self.finished);
     }
 
+    /// Engine `e` takes no new work (failed, or closed by the autoscaler).
     pub fn is_down(&self, e: usize) -> bool {
-        self.down.get(e).copied().unwrap_or(false)
+        self.failed.get(e).copied().unwrap_or(false) || self.closed.get(e).copied().unwrap_or(false)
     }
     fn can_take(&self, e: usize) -> bool {
         self.engines[e].has_room() && !self.is_down(e)
     }
-
-    /// Engine `e` failed: it takes no more work and its jobs (reset) are put in `out`. False
-    /// when it was already down.
-    pub fn fail(&mut self, e: usize, out: &mut Vec<PrefillJob>) -> bool {
+    fn init_masks(&mut self) {
         let n = self.engines.len();
-        if self.down.is_empty() {
-            self.down = vec![false; n];
+        if self.failed.is_empty() {
+            self.failed = vec![false; n];
+            self.closed = vec![false; n];
+            self.provisioning = vec![false; n];
             self.aborted = vec![false; n];
             self.up_after_abort = vec![false; n];
         }
-        if self.down[e] {
+    }
+
+    /// Engine `e` failed: it takes no more work and its jobs (reset) are put in `out`. False
+    /// when it had failed already.
+    pub fn fail(&mut self, e: usize, out: &mut Vec<PrefillJob>) -> bool {
+        self.init_masks();
+        if self.failed[e] {
             return false;
         }
-        self.down[e] = true;
+        self.failed[e] = true;
         self.aborted[e] = self.engines[e].busy();
         self.engines[e].take_jobs(out);
         true
     }
 
-    /// Engine `e` is back (now, or once its aborted step's end has come). False when it was up.
+    /// Engine `e` is back (now, or once its aborted step's end has come). False when it had
+    /// not failed.
     pub fn repair(&mut self, e: usize) -> bool {
-        if !self.is_down(e) {
+        if !self.failed.get(e).copied().unwrap_or(false) {
             return false;
         }
         if self.aborted[e] {
             self.up_after_abort[e] = true;
         } else {
-            self.down[e] = false;
+            self.failed[e] = false;
         }
         true
     }
@@ -315,9 +328,25 @@ impl PrefillPool {
         }
         self.aborted[e] = false;
         if std::mem::take(&mut self.up_after_abort[e]) {
-            self.down[e] = false;
+            self.failed[e] = false;
         }
         true
+    }
+
+    /// The autoscaler closes engine `e` (it runs what it holds, takes nothing new) or opens it.
+    pub fn set_closed(&mut self, e: usize, closed: bool) {
+        self.init_masks();
+        self.closed[e] = closed;
+    }
+    pub fn is_closed(&self, e: usize) -> bool {
+        self.closed.get(e).copied().unwrap_or(false)
+    }
+    pub fn set_provisioning(&mut self, e: usize, on: bool) {
+        self.init_masks();
+        self.provisioning[e] = on;
+    }
+    pub fn is_provisioning(&self, e: usize) -> bool {
+        self.provisioning.get(e).copied().unwrap_or(false)
     }
 
     /// Each engine's tier (-1 without tiers).

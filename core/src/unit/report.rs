@@ -221,6 +221,48 @@ pub struct ServiceReport {
     /// Drains, compute failures and what they moved (left out of the report when none).
     #[serde(skip_serializing_if = "FaultReport::is_empty")]
     pub faults: FaultReport,
+    /// The autoscaler's decisions and GPU time (only with an autoscaler).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub autoscale: Option<AutoscaleReport>,
+}
+
+/// What the autoscaler did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct AutoscaleReport {
+    pub policy: &'static str,
+    /// GPU-seconds paid for (provisioning, serving or draining), per pool.
+    pub prefill_gpu_s: f64,
+    pub decode_gpu_s: f64,
+    /// Engines / groups added and removed.
+    pub prefill_ups: u64,
+    pub prefill_downs: u64,
+    pub decode_ups: u64,
+    pub decode_downs: u64,
+    /// One row per metrics interval.
+    pub rows: Vec<ScaleRow>,
+}
+
+impl AutoscaleReport {
+    pub fn gpu_hours(&self) -> f64 {
+        (self.prefill_gpu_s + self.decode_gpu_s) / 3600.0
+    }
+}
+
+/// The pools and what the controller saw at the end of one interval.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ScaleRow {
+    pub t_s: f64,
+    /// Engines open / groups in service, as the controller counts them.
+    pub prefill_engines: u32,
+    pub decode_groups: u32,
+    /// GPUs paid for in the interval.
+    pub prefill_gpus: u32,
+    pub decode_gpus: u32,
+    pub prefill_busy: f64,
+    pub decode_occupancy: f64,
+    /// p90 TTFT / TPOT of the interval (NaN: no request).
+    pub ttft_p90_s: f64,
+    pub tpot_p90_s: f64,
 }
 
 /// What the unit's drains and compute failures did.
