@@ -99,6 +99,19 @@ impl AutoscaleConfig {
                 ));
             }
         }
+        self.policy.validate()?;
+        if self.down_after == 0 {
+            return Err(ConfigError::invalid(
+                "autoscale.down_after",
+                "must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl ScalePolicy {
+    fn validate(&self) -> Result<(), ConfigError> {
         let frac = |name: &str, v: f64| {
             if v.is_finite() && v > 0.0 && v <= 1.0 {
                 Ok(())
@@ -109,8 +122,8 @@ impl AutoscaleConfig {
                 ))
             }
         };
-        match &self.policy {
-            ScalePolicy::Fixed => {}
+        match self {
+            ScalePolicy::Fixed => Ok(()),
             ScalePolicy::Utilisation {
                 prefill_busy,
                 decode_occupancy,
@@ -134,6 +147,7 @@ impl AutoscaleConfig {
                         "must be positive",
                     ));
                 }
+                Ok(())
             }
             ScalePolicy::Slo { ttft, tpot, low } => {
                 frac("low", *low)?;
@@ -143,15 +157,9 @@ impl AutoscaleConfig {
                         "SLOs must be positive",
                     ));
                 }
+                Ok(())
             }
         }
-        if self.down_after == 0 {
-            return Err(ConfigError::invalid(
-                "autoscale.down_after",
-                "must be at least 1",
-            ));
-        }
-        Ok(())
     }
 }
 

@@ -231,7 +231,12 @@ impl FaultEvent {
 
     /// Both name the same device and `self`'s down time covers `o`'s failure.
     fn overlaps(&self, o: &FaultEvent, s: UnitShape) -> bool {
-        let same = matches!((self.fault(s), o.fault(s)), (Ok(a), Ok(b)) if a == b);
+        let same = match (self.fault(s), o.fault(s)) {
+            // Two drains name the same group, or not.
+            (Ok(None), Ok(None)) => self.group == o.group,
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
         same && o.at >= self.at && self.recover_at.is_none_or(|r| o.at < r)
     }
 }
@@ -310,6 +315,21 @@ mod tests {
             ev(FaultKind::DecodeRank, 50, None),
         ];
         assert!(err(dup).contains("faults.events[1].at"));
+        let mut other = ev(FaultKind::Drain, 20, None);
+        other.group = Some(1);
+        let drains = FaultsConfig {
+            events: vec![ev(FaultKind::Drain, 10, None), other],
+            ..Default::default()
+        };
+        assert!(
+            drains.validate(SHAPE).is_ok(),
+            "two groups may both be drained"
+        );
+        let twice = vec![
+            ev(FaultKind::Drain, 10, None),
+            ev(FaultKind::Drain, 20, None),
+        ];
+        assert!(err(twice).contains("faults.events[1].at"));
         let many: Vec<FaultEvent> = (0..5)
             .map(|k| {
                 let mut e = ev(FaultKind::PrefillEngine, 10, None);
