@@ -321,7 +321,7 @@ impl Part for ComputeFaults {
         let (p, d) = (&s.service.prefill, &s.service.decode);
         let shape = s.service.unit_shape();
         let mut f = FaultsConfig {
-            drain_grace: Some(secs(rng.random_range(0.0..3.0))),
+            drain_grace: Some(secs(rng.random_range(0.0..0.2))),
             decode_recovery: Some(secs(rng.random_range(0.1..5.0))),
             survivors: Some(if rng.random_bool(0.5) {
                 servelab_core::unit::SurvivorPolicy::Migrate
@@ -340,7 +340,8 @@ impl Part for ComputeFaults {
             recover_at: None,
         };
         for _ in 0..rng.random_range(0..=4) {
-            let at = secs(rng.random_range(0.0..horizon));
+            // The first third of the horizon, where the small workloads' requests run.
+            let at = secs(rng.random_range(0.0..horizon / 3.0));
             let back = at + secs(rng.random_range(0.2..10.0));
             let e = match rng.random_range(0..4) {
                 0 => {
