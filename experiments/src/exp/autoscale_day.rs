@@ -162,8 +162,9 @@ fn hours(rep: &ServiceReport, s: &ServiceConfig, day: &Day) -> Vec<Hour> {
         if r.outcome != "completed" {
             continue;
         }
-        let ok = r.ttft_ms <= day.ttft_slo.as_secs_f64() * 1e3
-            && !(r.tpot_ms > day.tpot_slo.as_secs_f64() * 1e3);
+        // A one-token reply has no TPOT (NaN): only its TTFT counts.
+        let tpot_ok = r.tpot_ms.is_nan() || r.tpot_ms <= day.tpot_slo.as_secs_f64() * 1e3;
+        let ok = r.ttft_ms <= day.ttft_slo.as_secs_f64() * 1e3 && tpot_ok;
         h[i].met_slo += u64::from(ok);
         let hit = f64::from(r.hit_tokens);
         let miss = f64::from(r.prompt_tokens - r.hit_tokens);
