@@ -91,6 +91,9 @@ struct Row {
     before: Window,
     during: Window,
     after: Window,
+    /// The whole run: the requests a fault displaced were running when it struck, so they
+    /// arrived before the "during" window.
+    all: Window,
     rebuild_s: f64,
 }
 
@@ -130,6 +133,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             before: window(&rep.requests, 0.0, at),
             during: window(&rep.requests, at, at + w),
             after: window(&rep.requests, at + w, f64::INFINITY),
+            all: window(&rep.requests, 0.0, f64::INFINITY),
             rebuild_s,
             rep,
         });
@@ -178,8 +182,7 @@ fn table(rows: &[Row]) -> Result<DataFrame> {
         "tpot_ms_before" => col(&|r| r.before.tpot_ms),
         "tpot_ms_during" => col(&|r| r.during.tpot_ms),
         "tpot_ms_after" => col(&|r| r.after.tpot_ms),
-        "worst_gap_ms_before" => col(&|r| r.before.worst_gap_ms),
-        "worst_gap_ms_during" => col(&|r| r.during.worst_gap_ms),
+        "worst_gap_ms" => col(&|r| r.all.worst_gap_ms),
         "sampled_during" => rows.iter().map(|r| r.during.requests as u64).collect::<Vec<_>>(),
         "gpu_failures" => cnt(&|r| r.rep.faults.decode_rank_failures + r.rep.faults.prefill_engine_failures),
         "forwarded_requests" => cnt(&|r| r.rep.faults.forwarded_requests),
@@ -224,6 +227,7 @@ fn summary(rows: &[Row], c: &Campaign) -> String {
         "TTFT during (ms)",
         "TTFT after (ms)",
         "TPOT during (ms)",
+        "worst gap (ms)",
         "rebuild (s)",
     ];
     let body: Vec<Vec<String>> = rows
@@ -237,7 +241,7 @@ fn summary(rows: &[Row], c: &Campaign) -> String {
                 format!("{:.1}", r.during.ttft_ms),
                 format!("{:.1}", r.after.ttft_ms),
                 format!("{:.3}", r.during.tpot_ms),
-                format!("{:.0}", r.during.worst_gap_ms),
+                format!("{:.0}", r.all.worst_gap_ms),
                 format!("{:.3}", r.rebuild_s),
             ]
         })
@@ -251,7 +255,34 @@ fn summary(rows: &[Row], c: &Campaign) -> String {
     for r in &rows[1..] {
         s += &sentence(r, base);
     }
+    s += &survivors(rows);
     s
+}
+
+/// Migration against prefilling again, when the campaign has a case of each for the same
+/// failure (names ending in "-migrate" and "-reprefill").
+fn survivors(rows: &[Row]) -> String {
+    let find = |suffix: &str| rows.iter().find(|r| r.name.ends_with(suffix));
+    let (Some(m), Some(p)) = (find("-migrate"), find("-reprefill")) else {
+        return String::new();
+    };
+    let (fm, fp) = (&m.rep.faults, &p.rep.faults);
+    format!(
+        "
+Survivors of a failed rank: migrating them ({}) moved {} requests' KV ({} bytes) and prefilled {} again; prefilling them all ({}) recomputed {} tokens for {} requests instead of {}. The longest pause between two tokens was {:.0} ms migrating and {:.0} ms prefilling again; mean TPOT over the run {:.3} ms against {:.3} ms.\n",
+        m.name,
+        fm.forwarded_requests,
+        fm.forwarded_bytes,
+        fm.reprefilled_requests,
+        p.name,
+        fp.reprefill_tokens,
+        fp.reprefilled_requests,
+        fm.reprefill_tokens,
+        m.all.worst_gap_ms,
+        p.all.worst_gap_ms,
+        m.all.tpot_ms,
+        p.all.tpot_ms,
+    )
 }
 
 /// One sentence per case against the first case (the baseline).
@@ -278,8 +309,8 @@ fn sentence(r: &Row, base: &Row) -> String {
     let gpus = f.decode_rank_failures + f.prefill_engine_failures;
     if gpus > 0 || f.drains > 0 {
         parts.push(format!(
-            "{gpus} GPUs failed and {} decode groups were drained; the longest pause between two tokens during was {:.0} ms against {:.0} ms",
-            f.drains, r.during.worst_gap_ms, base.during.worst_gap_ms
+            "{gpus} GPUs failed and {} decode groups were drained; the longest pause between two tokens of any request was {:.0} ms against {:.0} ms",
+            f.drains, r.all.worst_gap_ms, base.all.worst_gap_ms
         ));
     }
     if f.forwarded_requests + f.reprefilled_requests > 0 {
