@@ -100,7 +100,7 @@ fn the_autoscaled_day_writes_its_tables() {
         .map(|g| g.parse().unwrap())
         .collect();
     assert!(gpu[1] < gpu[0] && gpu[2] < gpu[0], "{gpu:?}");
-    assert!(d.join("hours.parquet").exists());
+    assert!(d.join("hours.parquet").exists() && d.join("gpus.svg").exists());
     let s = read(&d, "summary.md");
     assert!(s.contains("exact token totals"), "{s}");
 }

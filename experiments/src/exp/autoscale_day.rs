@@ -109,6 +109,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     let mut out = RunOutput::create(&ctx.out)?;
     out.write_table("hours", &mut hours_table(&outcomes)?)?;
     out.write_table("policies", &mut policy_table(&outcomes, &cfg.day)?)?;
+    plots(&mut out, &outcomes)?;
     let text = summary(&outcomes, &cfg.day, cfg.service.sample_every);
     out.write_text("summary.md", &text)?;
     let mut headline = std::collections::BTreeMap::new();
@@ -171,6 +172,41 @@ fn hours(rep: &ServiceReport, s: &ServiceConfig, day: &Day) -> Vec<Hour> {
         h[i].revenue += every * day.price(i) * day.revenue(hit, miss, f64::from(r.output_tokens));
     }
     h
+}
+
+/// GPUs paid for and SLO attainment, per hour and policy.
+fn plots(out: &mut RunOutput, outcomes: &[Outcome]) -> Result<()> {
+    let per_hour = |f: &dyn Fn(&Hour) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+        outcomes
+            .iter()
+            .map(|o| {
+                let pts = o
+                    .hours
+                    .iter()
+                    .enumerate()
+                    .map(|(i, h)| (i as f64, f(h)))
+                    .collect();
+                (o.name.clone(), pts)
+            })
+            .collect()
+    };
+    let p = out.path("gpus.svg");
+    crate::plot::lines(
+        &p,
+        "GPUs paid for",
+        "hour",
+        "GPU-hours per hour",
+        &per_hour(&|h| h.gpu_hours),
+    )?;
+    let p = out.path("slo.svg");
+    let att = |h: &Hour| h.met_slo as f64 / h.requests.max(1) as f64;
+    crate::plot::lines(
+        &p,
+        "SLO attainment",
+        "hour",
+        "fraction of sampled requests",
+        &per_hour(&att),
+    )
 }
 
 fn gpu_hours(o: &Outcome) -> f64 {
