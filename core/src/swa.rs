@@ -373,6 +373,22 @@ impl SwaCache {
         self.prefetch_oldest(mi);
     }
 
+    /// Machine `machine`'s host failed: every state it holds is gone (later lookups miss and
+    /// the hit rule backs off to an earlier state or none). Returns how many were lost.
+    pub fn lose_machine(&mut self, now: Nanos, machine: MachineId) -> u64 {
+        self.advance(now);
+        let mi = machine.0 as usize % self.machines.len();
+        let order = std::mem::take(&mut self.machines[mi].order);
+        let mut lost = 0;
+        for (slot, at) in order {
+            if self.slot_is(slot, at) {
+                self.free_slot(mi, slot);
+                lost += 1;
+            }
+        }
+        lost
+    }
+
     /// Which machine holds live state for prefix `key`, if any.
     pub fn lookup(&mut self, now: Nanos, key: BlockKey) -> Option<MachineId> {
         self.advance(now);

@@ -288,6 +288,8 @@ impl ConformanceFile {
             series_interval: Nanos::from_secs(1),
             sample_every: 1,
             touch_coalesce: Nanos::ZERO,
+            elastic: Default::default(),
+            autoscale: None,
         };
         unit.validate().map_err(|e| prefixed(e, "conformance"))?;
         if c.swa.machines < unit.machines() {

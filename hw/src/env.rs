@@ -670,6 +670,14 @@ impl Environment for GpuEnv<'_> {
             Output::Fetch { request, .. } => self.push(now, Input::PrefixReady(request)),
             Output::Handoff { request, bytes, .. } => self.handoff(now, request, bytes, unit)?,
             Output::WakeAt(at) => self.push(at, Input::WakeUp),
+            Output::TimerAt { at, timer } => self.push(at, Input::Timer(timer)),
+            // Drains and failures are inputs the GPU environment never gives, so a forward
+            // between decode groups cannot arise here.
+            Output::Forward { request, .. } => {
+                return Err(RunError::Environment(format!(
+                    "request {request}: forwarding between decode groups is not modelled on the GPU"
+                )));
+            }
             Output::Finished { request, .. } => {
                 self.finished.insert(request);
                 self.release(request);

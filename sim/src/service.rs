@@ -11,11 +11,12 @@
 use crate::acceptance::AcceptanceModel;
 use crate::cost::{CostModel, SwapIn};
 use crate::env::VirtualEnv;
+use crate::env::faults::{FaultsConfig, UnitShape};
 use crate::profile::{HardwareProfile, ProfileFiles};
 use serde::{Deserialize, Serialize};
 use servelab_core::eplb::ExpertLoadConfig;
 use servelab_core::unit::drive::{NoObserver, Observer};
-use servelab_core::unit::{RunError, ServingUnit, SharedCache, UnitConfig};
+use servelab_core::unit::{AutoscaleConfig, RunError, ServingUnit, SharedCache, UnitConfig};
 use servelab_core::{
     ConfigError, HitPolicy, Nanos, Request, ServingConstants, StoreConfig, SwaConfig,
 };
@@ -151,6 +152,13 @@ pub struct ServiceConfig {
     pub sample_every: u32,
     /// A session's reused blocks are re-touched at most this often (0 = every turn).
     pub touch_coalesce: Nanos,
+    /// Decode drains and compute failures ([`crate::env::faults`]); none by default.
+    #[serde(skip_serializing_if = "FaultsConfig::is_default")]
+    pub faults: FaultsConfig,
+    /// Pools sized over time within `prefill.gpus` engines and `decode.groups` groups
+    /// ([`servelab_core::unit::autoscale`]); fixed pools when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub autoscale: Option<AutoscaleConfig>,
 }
 
 impl Default for ServiceConfig {
@@ -178,6 +186,8 @@ impl Default for ServiceConfig {
             series_interval: Nanos::from_secs(10),
             sample_every: 100,
             touch_coalesce: Nanos::from_secs(60),
+            faults: FaultsConfig::default(),
+            autoscale: None,
         }
     }
 }
@@ -263,7 +273,44 @@ impl ServiceConfig {
                 }
             }
         }
+        self.validate_faults()?;
         self.acceptance.validate()
+    }
+
+    /// The unit's shape as the fault schedule sees it.
+    pub fn unit_shape(&self) -> UnitShape {
+        let p = &self.prefill;
+        let d = &self.decode;
+        UnitShape {
+            prefill_gpus: p.gpus,
+            decode_groups: d.groups,
+            decode_ranks: d.ranks,
+            machines: p.gpus.div_ceil(p.gpus_per_machine.max(1))
+                + (d.groups.saturating_mul(d.ranks)).div_ceil(d.gpus_per_machine.max(1)),
+        }
+    }
+
+    fn validate_faults(&self) -> Result<(), ConfigError> {
+        self.faults.validate(self.unit_shape())?;
+        let rank_faults = self.faults.random.is_some()
+            || self
+                .faults
+                .events
+                .iter()
+                .any(|e| e.kind == crate::env::faults::FaultKind::DecodeRank);
+        if rank_faults
+            && let MoeImbalance::Model {
+                decode: Some(_), ..
+            } = &self.moe
+        {
+            // The decode expert-load model is built for a fixed EP size; a group re-sized
+            // around a dead GPU gets its factor from EPLB on the ranks left instead.
+            return Err(ConfigError::invalid(
+                "faults",
+                "decode-rank failures need `moe.decode` unset (the fixed imbalance factor)",
+            ));
+        }
+        Ok(())
     }
 
     /// The serving unit's part of the config, with `profile`'s cost models.
@@ -281,6 +328,8 @@ impl ServiceConfig {
             series_interval: self.series_interval,
             sample_every: self.sample_every,
             touch_coalesce: self.touch_coalesce,
+            elastic: self.faults.elastic(),
+            autoscale: self.autoscale.clone(),
         }
     }
 }

@@ -4,8 +4,8 @@
 //! [`Observer`] of the driver loop). Any seed reproduces its run exactly.
 //!
 //! The generator is a list of [`Part`]s, each drawing its keys from its own sub-seed (so adding
-//! a part changes no other part's draws). Faults of other kinds (GPU and engine failures, a
-//! decode drain) are new parts pushed onto [`Generator::standard`]; extra invariants are
+//! a part changes no other part's draws). [`ComputeFaults`] adds decode drains, decode-rank,
+//! prefill-engine and SWA-host failures and random GPU failures; extra invariants are
 //! closures pushed onto [`Checker::extra`].
 
 use rand::{Rng, SeedableRng};
@@ -48,6 +48,7 @@ impl Generator {
             .with(SmallWorkload)
             .with(StoreShape)
             .with(StorageFaults)
+            .with(ComputeFaults)
     }
 
     pub fn with(mut self, part: impl Part + 'static) -> Self {
@@ -304,6 +305,87 @@ impl Part for StorageFaults {
     }
 }
 
+/// Compute faults: decode drains (short grace), decode-rank failures (recovered or not, the
+/// survivors migrated or prefilled again), prefill-engine failures (always repaired, so work
+/// can drain), SWA-host losses, and sometimes random GPU failures. No device fails twice while
+/// down, as the config requires.
+pub struct ComputeFaults;
+
+impl Part for ComputeFaults {
+    fn name(&self) -> &'static str {
+        "compute-faults"
+    }
+    fn draw(&self, rng: &mut ChaCha8Rng, s: &mut Scenario) {
+        use servelab_sim::env::faults::{FaultEvent, FaultKind, FaultsConfig, RandomGpuFaults};
+        let horizon = s.horizon_s;
+        let (p, d) = (&s.service.prefill, &s.service.decode);
+        let shape = s.service.unit_shape();
+        let mut f = FaultsConfig {
+            drain_grace: Some(secs(rng.random_range(0.0..0.2))),
+            decode_recovery: Some(secs(rng.random_range(0.1..5.0))),
+            survivors: Some(if rng.random_bool(0.5) {
+                servelab_core::unit::SurvivorPolicy::Migrate
+            } else {
+                servelab_core::unit::SurvivorPolicy::Reprefill
+            }),
+            ..Default::default()
+        };
+        let blank = |kind, at| FaultEvent {
+            kind,
+            group: None,
+            rank: None,
+            engine: None,
+            machine: None,
+            at,
+            recover_at: None,
+        };
+        for _ in 0..rng.random_range(0..=4) {
+            // The first third of the horizon, where the small workloads' requests run.
+            let at = secs(rng.random_range(0.0..horizon / 3.0));
+            let back = at + secs(rng.random_range(0.2..10.0));
+            let e = match rng.random_range(0..4) {
+                0 => {
+                    let mut e = blank(FaultKind::Drain, at);
+                    e.group = Some(rng.random_range(0..d.groups));
+                    e
+                }
+                1 => {
+                    let mut e = blank(FaultKind::DecodeRank, at);
+                    e.group = Some(rng.random_range(0..d.groups));
+                    e.rank = Some(rng.random_range(0..d.ranks));
+                    e.recover_at = rng.random_bool(0.7).then_some(back);
+                    e
+                }
+                2 => {
+                    let mut e = blank(FaultKind::PrefillEngine, at);
+                    e.engine = Some(rng.random_range(0..p.gpus));
+                    e.recover_at = Some(back);
+                    e
+                }
+                _ => {
+                    let mut e = blank(FaultKind::SwaHost, at);
+                    e.machine = Some(rng.random_range(0..shape.machines));
+                    e
+                }
+            };
+            f.events.push(e);
+            // Drawn events that the config would refuse (a device failing while down, a
+            // second drain of a group) are dropped: the swarm draws valid configs only.
+            if f.validate(shape).is_err() {
+                f.events.pop();
+            }
+        }
+        if rng.random_bool(0.15) {
+            f.random = Some(RandomGpuFaults {
+                gpu_mtbf: secs(rng.random_range(5.0..60.0)),
+                gpu_mttr: secs(rng.random_range(0.5..5.0)),
+                until: secs(horizon),
+            });
+        }
+        s.service.faults = f;
+    }
+}
+
 /// An invariant of another part of the system, checked between events.
 pub type ExtraCheck = Box<dyn FnMut(&ServingUnit<'_>, &SharedCache) -> Result<(), String>>;
 
@@ -531,6 +613,11 @@ pub struct RunSummary {
     pub degraded_stripe_reads: u64,
     pub rebuilds_completed: u64,
     pub rejected: u64,
+    /// Compute faults: drains, GPU failures, requests forwarded and prefilled again.
+    pub drains: u64,
+    pub gpu_failures: u64,
+    pub forwarded: u64,
+    pub reprefilled: u64,
 }
 
 /// Runs `s` with every check; an error says what broke, at which input.
@@ -569,5 +656,9 @@ pub fn run_scenario(s: &Scenario, profile: &HardwareProfile) -> Result<RunSummar
         degraded_stripe_reads: st.degraded_stripe_reads,
         rebuilds_completed: st.rebuilds_completed,
         rejected: report.rejected_total(),
+        drains: report.faults.drains,
+        gpu_failures: report.faults.decode_rank_failures + report.faults.prefill_engine_failures,
+        forwarded: report.faults.forwarded_requests,
+        reprefilled: report.faults.reprefilled_requests,
     })
 }

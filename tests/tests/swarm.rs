@@ -65,8 +65,9 @@ fn swarm_shard_3() {
     shard(3);
 }
 
-/// The seeds exercise what they are for: node failures, lost groups, degraded reads and
-/// rebuilds all happen in the first 64 seeds, and every scenario is the same when drawn again.
+/// The seeds exercise what they are for: node failures, lost groups, degraded reads,
+/// rebuilds, decode drains, GPU failures and displaced sequences all happen in the first 64
+/// seeds, and every scenario is the same when drawn again.
 #[test]
 fn the_swarm_covers_its_faults_and_reproduces() {
     let (generator, profile) = (Generator::standard(), profile());
@@ -80,6 +81,10 @@ fn the_swarm_covers_its_faults_and_reproduces() {
         total.degraded_stripe_reads += a.degraded_stripe_reads;
         total.rebuilds_completed += a.rebuilds_completed;
         total.rejected += a.rejected;
+        total.drains += a.drains;
+        total.gpu_failures += a.gpu_failures;
+        total.forwarded += a.forwarded;
+        total.reprefilled += a.reprefilled;
     }
     assert!(
         total.node_failures > 0 && total.group_losses > 0,
@@ -90,6 +95,10 @@ fn the_swarm_covers_its_faults_and_reproduces() {
         "{total:?}"
     );
     assert!(total.rebuilds_completed > 0, "{total:?}");
+    assert!(total.drains > 0 && total.gpu_failures > 0, "{total:?}");
+    // The swarm's replies are short (at most 120 tokens, a fraction of a second of decode), so
+    // a drain rarely catches a sequence; `compute_faults.rs` times the forward by hand.
+    assert!(total.forwarded + total.reprefilled > 0, "{total:?}");
     let a = format!("{:?}", generator.draw(17));
     assert_eq!(a, format!("{:?}", generator.draw(17)));
     assert_ne!(a, format!("{:?}", generator.draw(18)));

@@ -121,6 +121,18 @@ pub struct SeqEmission {
     pub finished: bool,
 }
 
+/// A sequence taken out of a group by [`DecodeGroup::evict_all`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    pub request: RequestId,
+    /// The rank (of the group as it was) holding its KV.
+    pub rank: u32,
+    /// Its slot key ([`DecodeGroup::apply_report_with`]), or None when it was still waiting.
+    pub slot_key: Option<u32>,
+    pub kv_tokens: u32,
+    pub remaining: u32,
+}
+
 /// One EP group of decode ranks.
 #[derive(Clone, Debug)]
 pub struct DecodeGroup {
@@ -589,6 +601,50 @@ impl DecodeGroup {
         }
     }
 
+    /// Removes every unfinished sequence, running or waiting, into `out` (in rank order, slots
+    /// before the waiting queue), leaving the group empty. Sequences finished by the last step
+    /// but not yet released are dropped silently: they have completed. Call it only between
+    /// steps: a plan built before it names slots that no longer exist.
+    pub fn evict_all(&mut self, out: &mut Vec<Evicted>) {
+        let max = self.cfg.max_seqs_per_rank;
+        for (r, rank) in self.ranks.iter_mut().enumerate() {
+            let r = r as u32;
+            for (slot, s) in rank.slots.iter().enumerate() {
+                if let Some(s) = s.filter(|s| !s.done) {
+                    out.push(Evicted {
+                        request: s.request,
+                        rank: r,
+                        slot_key: Some(r * max + slot as u32),
+                        kv_tokens: s.kv_tokens,
+                        remaining: s.remaining,
+                    });
+                }
+            }
+            for w in &rank.waiting {
+                out.push(Evicted {
+                    request: w.request,
+                    rank: r,
+                    slot_key: None,
+                    kv_tokens: w.kv_tokens,
+                    remaining: w.remaining,
+                });
+            }
+            *rank = Rank::default();
+        }
+    }
+
+    /// Adds an empty rank at the end (a repaired GPU rejoining the group between steps).
+    pub fn push_rank(&mut self) {
+        self.cfg.ranks += 1;
+        self.ranks.push(Rank::default());
+    }
+
+    /// Sets the slowest-rank ÷ mean factor of the group's MoE part (after experts are
+    /// re-placed on a different set of ranks).
+    pub fn set_expert_imbalance(&mut self, f: f64) {
+        self.cfg.expert_imbalance = f;
+    }
+
     /// Slot keys of [`Self::apply_report_with`] lie below this.
     pub fn slot_keys(&self) -> u32 {
         self.cfg.ranks * self.cfg.max_seqs_per_rank
@@ -666,57 +722,83 @@ impl DecodeBalancer {
 
     /// Picks (group index, rank) for a request of `context_tokens` (prompt + output).
     pub fn pick(&mut self, groups: &[DecodeGroup], context_tokens: u64) -> (usize, u32) {
-        let total: u64 = groups.iter().map(|g| u64::from(g.ranks())).sum();
-        let flat = |mut i: u64| {
-            for (gi, g) in groups.iter().enumerate() {
-                if i < u64::from(g.ranks()) {
-                    return (gi, i as u32);
-                }
-                i -= u64::from(g.ranks());
-            }
-            (0, 0)
-        };
+        self.pick_up(groups, None, context_tokens).unwrap_or((0, 0))
+    }
+
+    /// [`Self::pick`] among the groups marked in `up` (all when None); None when no group is
+    /// up. Round robin skips the ranks of groups that are down, keeping its turn.
+    pub fn pick_up(
+        &mut self,
+        groups: &[DecodeGroup],
+        up: Option<&[bool]>,
+        context_tokens: u64,
+    ) -> Option<(usize, u32)> {
+        let is_up = |gi: usize| up.is_none_or(|u| u[gi]);
         match self.policy {
             DecodeLbPolicy::RoundRobin => {
-                let i = self.rr % total.max(1);
-                self.rr += 1;
-                flat(i)
+                let total: u64 = groups.iter().map(|g| u64::from(g.ranks())).sum();
+                for _ in 0..total {
+                    let i = self.rr % total.max(1);
+                    self.rr += 1;
+                    let hit = flat_rank(groups, i);
+                    if is_up(hit.0) {
+                        return Some(hit);
+                    }
+                }
+                None
             }
             DecodeLbPolicy::LeastLoaded => {
-                let mut best = ((u32::MAX, 0usize, 0u32), (0, 0));
-                for (gi, g) in groups.iter().enumerate() {
+                let mut best = None;
+                for (gi, g) in groups.iter().enumerate().filter(|(gi, _)| is_up(*gi)) {
                     for r in 0..g.ranks() {
                         let key = (g.rank_load(r).0, gi, r);
-                        if key < best.0 {
-                            best = (key, (gi, r));
+                        if best.is_none_or(|(k, _)| key < k) {
+                            best = Some((key, (gi, r)));
                         }
                     }
                 }
-                best.1
+                best.map(|b| b.1)
             }
-            DecodeLbPolicy::CountAndKv => {
-                let mut best: Option<(f64, f64, (usize, u32))> = None;
-                for (gi, g) in groups.iter().enumerate() {
-                    let c = g.config();
-                    for r in 0..g.ranks() {
-                        let (n, kv) = g.rank_load(r);
-                        let a = f64::from(n + 1) / f64::from(c.max_seqs_per_rank);
-                        // max(a, b) >= a: a rank whose count share alone exceeds the best
-                        // larger share cannot win, and its KV share (a division) is not needed.
-                        if best.is_some_and(|(bh, _, _)| a > bh) {
-                            continue;
-                        }
-                        let b = (kv + context_tokens) as f64 / c.kv_capacity_tokens_per_rank as f64;
-                        let (hi, sum) = (a.max(b), a + b);
-                        if best.is_none_or(|(bh, bs, _)| hi < bh || (hi == bh && sum < bs)) {
-                            best = Some((hi, sum, (gi, r)));
-                        }
-                    }
-                }
-                best.map(|b| b.2).unwrap_or((0, 0))
-            }
+            DecodeLbPolicy::CountAndKv => Self::count_and_kv(groups, is_up, context_tokens),
         }
     }
+
+    fn count_and_kv(
+        groups: &[DecodeGroup],
+        is_up: impl Fn(usize) -> bool,
+        context_tokens: u64,
+    ) -> Option<(usize, u32)> {
+        let mut best: Option<(f64, f64, (usize, u32))> = None;
+        for (gi, g) in groups.iter().enumerate().filter(|(gi, _)| is_up(*gi)) {
+            let c = g.config();
+            for r in 0..g.ranks() {
+                let (n, kv) = g.rank_load(r);
+                let a = f64::from(n + 1) / f64::from(c.max_seqs_per_rank);
+                // max(a, b) >= a: a rank whose count share alone exceeds the best larger
+                // share cannot win, and its KV share (a division) is not needed.
+                if best.is_some_and(|(bh, _, _)| a > bh) {
+                    continue;
+                }
+                let b = (kv + context_tokens) as f64 / c.kv_capacity_tokens_per_rank as f64;
+                let (hi, sum) = (a.max(b), a + b);
+                if best.is_none_or(|(bh, bs, _)| hi < bh || (hi == bh && sum < bs)) {
+                    best = Some((hi, sum, (gi, r)));
+                }
+            }
+        }
+        best.map(|b| b.2)
+    }
+}
+
+/// The (group, rank) of flat rank index `i` over the groups in order.
+fn flat_rank(groups: &[DecodeGroup], mut i: u64) -> (usize, u32) {
+    for (gi, g) in groups.iter().enumerate() {
+        if i < u64::from(g.ranks()) {
+            return (gi, i as u32);
+        }
+        i -= u64::from(g.ranks());
+    }
+    (0, 0)
 }
 
 #[cfg(test)]

@@ -14,7 +14,8 @@ pub mod prefill_lb;
 pub mod vote;
 
 pub use decode::{
-    DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy, Scheduling, SeqEmission,
+    DecodeBalancer, DecodeGroup, DecodeGroupConfig, DecodeLbPolicy, Evicted, Scheduling,
+    SeqEmission,
 };
 pub use dspark::{
     ActiveExpertTerm, BudgetScope, ConfidenceHistogram, DecodeTimeModel, VerificationPolicy,

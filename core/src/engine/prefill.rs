@@ -333,6 +333,18 @@ impl PrefillEngine {
         Ok(())
     }
 
+    /// The engine failed: takes every job it holds (running or queued) into `out`, each reset
+    /// to start over (no tokens done, its prefix to fetch again), and forgets its step.
+    pub fn take_jobs(&mut self, out: &mut Vec<PrefillJob>) {
+        self.busy = false;
+        self.remaining_cache.set(None);
+        for mut j in self.queue.drain(..) {
+            j.done_tokens = 0;
+            j.first_step_at = None;
+            out.push(j);
+        }
+    }
+
     /// Marks a job's KV as fetched. Returns false if the engine does not hold it.
     pub fn set_ready(&mut self, request: RequestId) -> bool {
         self.remaining_cache.set(None);

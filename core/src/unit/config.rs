@@ -87,6 +87,43 @@ impl Default for DecodePoolConfig {
     }
 }
 
+/// How the unit's decode groups shut down and fail over (SPEC §8).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ElasticConfig {
+    /// A decode group told to shut down keeps decoding this long, then forwards what is left.
+    pub drain_grace: Nanos,
+    /// From a decode rank's failure to its group's restart on the ranks left (EP failover).
+    pub decode_recovery: Nanos,
+    /// Where the sequences of a failed group's surviving ranks go.
+    pub survivors: SurvivorPolicy,
+}
+
+/// What happens to the sequences on the surviving ranks of a group whose rank failed (those
+/// on the dead rank lost their KV and are always prefilled again).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SurvivorPolicy {
+    /// Their KV is still in HBM: migrated to another group over the handoff link.
+    #[default]
+    Migrate,
+    /// Prefilled again like the dead rank's (the prompt from the store's hits): the
+    /// comparison baseline for the migration.
+    Reprefill,
+}
+
+impl Default for ElasticConfig {
+    fn default() -> Self {
+        ElasticConfig {
+            drain_grace: Nanos::from_secs(60),
+            // servelab's choice: detection, a new EP communicator and the experts' weights
+            // loaded onto the survivors.
+            decode_recovery: Nanos::from_secs(30),
+            survivors: SurvivorPolicy::Migrate,
+        }
+    }
+}
+
 /// Everything a [`crate::unit::ServingUnit`] is built from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UnitConfig {
@@ -109,6 +146,9 @@ pub struct UnitConfig {
     pub sample_every: u32,
     /// A session's reused blocks are re-touched at most this often (0 = every turn).
     pub touch_coalesce: Nanos,
+    pub elastic: ElasticConfig,
+    /// Pools sized over time (None: fixed pools as configured).
+    pub autoscale: Option<crate::unit::autoscale::AutoscaleConfig>,
 }
 
 impl UnitConfig {
@@ -165,6 +205,9 @@ impl UnitConfig {
         }
         if self.sample_every == 0 {
             return Err(ConfigError::invalid("sample_every", "must be positive"));
+        }
+        if let Some(a) = &self.autoscale {
+            a.validate(p.gpus, d.groups)?;
         }
         Ok(())
     }

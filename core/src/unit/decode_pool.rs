@@ -2,7 +2,7 @@
 //! each with the double buffer of asynchronous scheduling (step N+1 planned while N runs).
 
 use crate::engine::{
-    DecodeBalancer, DecodeGroup, DecodePlan, Scheduling, SeqEmission, StepPlan, StepReport,
+    DecodeBalancer, DecodeGroup, DecodePlan, Evicted, Scheduling, SeqEmission, StepPlan, StepReport,
 };
 use crate::error::ConfigError;
 use crate::ids::{EngineId, RequestId};
@@ -128,9 +128,39 @@ pub struct StepEmissions {
     pub started: Nanos,
 }
 
+/// Where a decode group is in its life (drain, failure, restart).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupStatus {
+    /// Serving and admitting.
+    Up,
+    /// Told to shut down: decoding what it holds, admitting nothing, until its grace ends.
+    Draining,
+    /// Its sequences leave at the end of the step in flight: the grace ended (`discard`
+    /// false: the step's tokens count) or a rank failed (`discard`: the step is lost).
+    Evicting { discard: bool },
+    /// Stopped by a failed rank, waiting to restart on the ranks left.
+    Stopped,
+    /// Added by the autoscaler: paid for, serving after the provisioning delay.
+    Provisioning,
+    /// Drained, or without a live rank: holds nothing and admits nothing.
+    Retired,
+}
+
+/// Why a handed-off request found no place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdmitError {
+    /// The rank the balancer picked has a full waiting queue.
+    Full,
+    /// No group is up.
+    NoGroup,
+}
+
 pub struct DecodePool {
     balancer: DecodeBalancer,
     groups: Vec<DecodeGroup>,
+    status: Vec<GroupStatus>,
+    /// `status == Up` per group, the balancer's mask (None while every group is up).
+    up: Option<Vec<bool>>,
     drivers: Vec<GroupDriver>,
     scheduling: Scheduling,
     sync_gap: Nanos,
@@ -170,6 +200,8 @@ impl DecodePool {
         }
         Ok(DecodePool {
             balancer: DecodeBalancer::new(d.lb),
+            status: vec![GroupStatus::Up; groups.len()],
+            up: None,
             groups,
             drivers,
             scheduling: d.scheduling,
@@ -204,22 +236,89 @@ impl DecodePool {
         self.drivers[g].first_rank_gpu
     }
 
-    /// Places a handed-off request (prompt + first token held, the rest to emit): the group
-    /// it joined, or None when that rank's waiting queue is full.
-    pub fn admit(&mut self, i: usize, r: &Request) -> Option<usize> {
+    /// Places a handed-off request that has emitted `emitted` tokens (1 after prefill, more
+    /// when it was forwarded from another group): the group it joined.
+    pub fn admit(&mut self, i: usize, r: &Request, emitted: u32) -> Result<usize, AdmitError> {
         let (g, rank) = self
             .balancer
-            .pick(&self.groups, u64::from(r.context_tokens()));
-        // The first token came from prefill; decode holds prompt + 1 and emits the rest.
+            .pick_up(
+                &self.groups,
+                self.up.as_deref(),
+                u64::from(r.context_tokens()),
+            )
+            .ok_or(AdmitError::NoGroup)?;
+        // The first token came from prefill; decode holds prompt + emitted and emits the rest.
         self.groups[g]
             .admit(
                 rank,
                 RequestId(i as u64),
-                r.prompt_tokens + 1,
-                r.output_tokens - 1,
+                r.prompt_tokens + emitted,
+                r.output_tokens - emitted,
             )
-            .ok()
+            .map_err(|_| AdmitError::Full)
             .map(|()| g)
+    }
+
+    pub fn status(&self, g: usize) -> GroupStatus {
+        self.status[g]
+    }
+    /// Whether any group is up (admitting).
+    pub fn any_up(&self) -> bool {
+        self.up.is_none() || self.status.contains(&GroupStatus::Up)
+    }
+
+    pub fn set_status(&mut self, g: usize, s: GroupStatus) {
+        self.status[g] = s;
+        let up: Vec<bool> = self.status.iter().map(|s| *s == GroupStatus::Up).collect();
+        self.up = if up.iter().all(|&u| u) {
+            None
+        } else {
+            Some(up)
+        };
+    }
+
+    /// Takes every unfinished sequence out of group `g` (no step in flight), writing each
+    /// one's emission state back to `state`, and drops any step planned ahead.
+    pub fn evict(&mut self, g: usize, state: &mut [RequestState], out: &mut Vec<Evicted>) {
+        let d = &mut self.drivers[g];
+        let from = out.len();
+        self.groups[g].evict_all(out);
+        for e in &out[from..] {
+            let Some(k) = e.slot_key else { continue };
+            let t = &mut d.side[k as usize];
+            if t.request == e.request.0 as u32 {
+                let st = &mut state[t.request as usize];
+                st.last_token = t.last_token;
+                st.max_gap = t.max_gap;
+                st.emitted = t.emitted;
+            }
+        }
+        // A request that comes back to this slot later must not find its old track.
+        d.side.fill(SeqTrack::NONE);
+        d.next_built = false;
+        d.in_flight = false;
+    }
+
+    /// Group `g`'s step in flight ended but its results are lost (the group failed).
+    pub fn step_lost(&mut self, g: usize) {
+        self.drivers[g].in_flight = false;
+    }
+
+    /// Replaces group `g` (empty) by `group` (a restart on fewer ranks, or more).
+    pub fn replace_group(&mut self, g: usize, group: DecodeGroup) {
+        let d = &mut self.drivers[g];
+        d.side = vec![SeqTrack::NONE; group.slot_keys() as usize];
+        d.next_built = false;
+        self.groups[g] = group;
+    }
+
+    /// Adds an empty rank to group `g` between steps (a repaired GPU rejoining).
+    pub fn push_rank(&mut self, g: usize, expert_imbalance: f64) {
+        let group = &mut self.groups[g];
+        group.push_rank();
+        group.set_expert_imbalance(expert_imbalance);
+        let keys = group.slot_keys() as usize;
+        self.drivers[g].side.resize(keys, SeqTrack::NONE);
     }
 
     pub fn in_flight(&self, g: usize) -> bool {

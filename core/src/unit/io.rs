@@ -33,6 +33,39 @@ pub enum Input {
     Tick,
     /// A time the unit asked for ([`Output::WakeAt`]) has come.
     WakeUp,
+    /// Decode group `g` is told to shut down: it stops admitting, decodes for the grace
+    /// period, then forwards its unfinished requests ([`Output::Forward`]).
+    Drain(u32),
+    /// A device of the unit failed ([`Fault`]).
+    Fault(Fault),
+    /// A failed device is back (repaired or replaced).
+    Repair(Fault),
+    /// A timer the unit set ([`Output::TimerAt`]) has come.
+    Timer(Timer),
+}
+
+/// A failure of part of the unit's compute, as a fault schedule names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Fault {
+    /// Rank `rank` (one GPU) of decode group `group`.
+    DecodeRank { group: u32, rank: u32 },
+    /// Prefill engine `e` (one GPU).
+    PrefillEngine(u32),
+    /// The host of machine `m`: the SWA states it holds are lost.
+    SwaHost(MachineId),
+}
+
+/// What a timer set by the unit is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Timer {
+    /// The grace period of draining decode group `g` is over.
+    DrainDeadline(u32),
+    /// Decode group `g`, stopped by a failed rank, restarts on its remaining ranks.
+    GroupRestart(u32),
+    /// A device the autoscaler added is provisioned and serves.
+    Provisioned(DeviceId),
 }
 
 /// Why a request did not complete.
@@ -45,19 +78,26 @@ pub enum Rejection {
     DecodeQueueFull,
     /// The context is larger than a decode rank's KV capacity.
     ContextTooLarge,
+    /// No decode group could take the request (all drained or failed, none coming back).
+    NoDecodeGroup,
 }
 
 impl Rejection {
+    /// The reasons every report lists (with zero counts); [`Self::FAULTS`] are listed only when
+    /// they happened, so that runs without faults keep their report byte for byte.
     pub const ALL: [Rejection; 3] = [
         Rejection::PrefillQueueFull,
         Rejection::DecodeQueueFull,
         Rejection::ContextTooLarge,
     ];
+    pub const FAULTS: [Rejection; 1] = [Rejection::NoDecodeGroup];
+    pub const COUNT: usize = 4;
     pub fn name(self) -> &'static str {
         match self {
             Rejection::PrefillQueueFull => "prefill_queue_full",
             Rejection::DecodeQueueFull => "decode_queue_full",
             Rejection::ContextTooLarge => "context_too_large",
+            Rejection::NoDecodeGroup => "no_decode_group",
         }
     }
     pub fn index(self) -> usize {
@@ -100,4 +140,14 @@ pub enum Output {
     WakeAt(Nanos),
     /// Request `request` ended.
     Finished { request: u32, outcome: Outcome },
+    /// Answer [`Input::Timer`] with `timer` at `at`.
+    TimerAt { at: Nanos, timer: Timer },
+    /// Move request `request`'s KV and SWA state (`bytes`) from decode group `group` (being
+    /// drained, or stopped by a failed rank) to the decode pool over the handoff link; answer
+    /// [`Input::HandoffDone`] (the balancer then picks a group that is up).
+    Forward {
+        request: u32,
+        group: u32,
+        bytes: u64,
+    },
 }

@@ -63,8 +63,8 @@ pub struct UnitMetrics {
     /// [warm-up, last arrival): the steady-state window.
     steady_window: (Nanos, Nanos),
     steady: SteadyCounters,
-    pub(crate) rejected: [u64; 3],
-    rejected_measured: [u64; 3],
+    pub(crate) rejected: [u64; Rejection::COUNT],
+    rejected_measured: [u64; Rejection::COUNT],
     /// Measured rejections per traffic class.
     rejected_class: [u64; 3],
     pub(crate) completed: u64,
@@ -101,8 +101,8 @@ impl UnitMetrics {
                     .map_or(last_arrival, |m| m.min(last_arrival)),
             ),
             steady: SteadyCounters::default(),
-            rejected: [0; 3],
-            rejected_measured: [0; 3],
+            rejected: [0; Rejection::COUNT],
+            rejected_measured: [0; Rejection::COUNT],
             rejected_class: [0; 3],
             completed: 0,
             measured_arrivals: 0,
@@ -312,6 +312,11 @@ impl UnitMetrics {
         self.series.push(row);
     }
 
+    /// Prefill engine time spent in steps in the current interval (ns).
+    pub fn interval_prefill_busy_ns(&self) -> u64 {
+        self.cur.prefill_busy
+    }
+
     /// Rows of interval series written so far.
     pub fn series_len(&self) -> usize {
         self.series.len()
@@ -417,6 +422,11 @@ impl UnitMetrics {
             completed: self.completed,
             rejected: Rejection::ALL
                 .iter()
+                .chain(
+                    Rejection::FAULTS
+                        .iter()
+                        .filter(|r| self.rejected[r.index()] > 0),
+                )
                 .map(|r| RejectionCount {
                     reason: r.name(),
                     requests: self.rejected[r.index()],
@@ -468,6 +478,8 @@ impl UnitMetrics {
             series: self.series,
             engines,
             storage: StorageReport::default(),
+            faults: Default::default(),
+            autoscale: None,
         }
     }
 }

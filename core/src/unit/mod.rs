@@ -9,25 +9,32 @@
 //! key, write-back), [`prefill_pool`] (balancer + engines), [`decode_pool`] (balancer + EP
 //! groups, async double buffer), [`metrics`] (what the report is built from).
 
+pub mod autoscale;
 pub mod config;
 pub mod decode_pool;
 pub mod drive;
 pub mod entry;
+pub mod failover;
+pub mod faults;
 pub mod histogram;
 pub mod io;
 pub mod metrics;
+pub mod prefill_faults;
 pub mod prefill_pool;
 pub mod report;
+pub mod scaling;
 pub mod shared;
 pub mod state;
 
-pub use config::{DecodePoolConfig, PrefillPoolConfig, UnitConfig};
+pub use autoscale::{AutoscaleConfig, Bounds, ScalePolicy};
+pub use config::{DecodePoolConfig, ElasticConfig, PrefillPoolConfig, SurvivorPolicy, UnitConfig};
 pub use drive::{Environment, Observer, RunError, run};
 pub use entry::swa_object_key;
 pub use histogram::Histogram;
-pub use io::{DeviceId, Input, Outcome, Output, Rejection};
+pub use io::{DeviceId, Fault, Input, Outcome, Output, Rejection, Timer};
 pub use report::{
-    EngineRow, Latencies, RejectionCount, RequestRow, SeriesRow, ServiceReport, SteadyState,
+    AutoscaleReport, EngineRow, FaultReport, Latencies, RejectionCount, RequestRow, ScaleRow,
+    SeriesRow, ServiceReport, SteadyState,
 };
 pub use shared::SharedCache;
 
@@ -36,8 +43,9 @@ use crate::error::ConfigError;
 use crate::ids::MachineId;
 use crate::request::Request;
 use crate::time::Nanos;
-use decode_pool::DecodePool;
+use decode_pool::{DecodePool, GroupStatus};
 use entry::Entrypoint;
+use faults::FaultState;
 use metrics::{FinalState, UnitMetrics};
 use prefill_pool::{Placed, PrefillPool};
 use state::{RequestState, Status};
@@ -54,6 +62,8 @@ pub struct ServingUnit<'a> {
     arrived: u64,
     /// Stripes of a store fetch (only used to prefetch the keys the fetch will read).
     fetch_stripes: usize,
+    faults: FaultState,
+    scaling: Option<scaling::Scaling>,
 }
 
 impl<'a> ServingUnit<'a> {
@@ -79,7 +89,7 @@ impl<'a> ServingUnit<'a> {
             ));
         }
         let last = reqs.iter().map(|r| r.arrival).max().unwrap_or(Nanos::ZERO);
-        Ok(ServingUnit {
+        let mut unit = ServingUnit {
             entry: Entrypoint::new(
                 cfg.constants.clone(),
                 cfg.hit_policy,
@@ -87,15 +97,23 @@ impl<'a> ServingUnit<'a> {
                 reqs,
             ),
             prefill: PrefillPool::new(&cfg.prefill, &cfg.prefill_cost)?,
+            faults: FaultState::new(
+                cfg.decode.groups,
+                cfg.decode.ranks,
+                cfg.decode.expert_imbalance,
+            ),
             decode: DecodePool::new(&cfg)?,
             metrics: UnitMetrics::new(&cfg, last),
             state: vec![RequestState::NEW; reqs.len()],
             reqs,
-            cfg,
             pending: 0,
             arrived: 0,
             fetch_stripes: 8,
-        })
+            scaling: cfg.autoscale.clone().map(scaling::Scaling::new),
+            cfg,
+        };
+        unit.scale_to_initial();
+        Ok(unit)
     }
 
     /// Sets how many stripes the environment's store fetch reads (a prefetching hint only).
@@ -164,14 +182,37 @@ impl<'a> ServingUnit<'a> {
         match input {
             Input::Arrival(i) => self.arrival(now, i as usize, sh, out),
             Input::PrefixReady(i) => {
-                let e = self.state[i as usize].engine as usize;
+                let st = &mut self.state[i as usize];
+                if st.stale_ready > 0 {
+                    // The answer of a fetch onto an engine that failed since.
+                    st.stale_ready -= 1;
+                    return;
+                }
+                let e = st.engine as usize;
                 self.prefill.set_ready(e, u64::from(i));
                 self.start_prefill(now, e, out);
             }
-            Input::StepDone(DeviceId::Prefill(e)) => self.prefill_done(now, e as usize, sh, out),
-            Input::StepDone(DeviceId::Decode(g)) => self.decode_done(now, g as usize, sh, out),
-            Input::HandoffDone(i) => self.handoff_done(now, i as usize, out),
+            Input::StepDone(DeviceId::Prefill(e)) => {
+                if !self.prefill_step_aborted(now, e as usize, out) {
+                    self.prefill_done(now, e as usize, sh, out);
+                }
+            }
+            Input::StepDone(DeviceId::Decode(g)) => {
+                let g = g as usize;
+                if self.decode.status(g) == (GroupStatus::Evicting { discard: true }) {
+                    // The group failed during this step: its tokens are lost.
+                    self.faults.report.lost_decode_steps += 1;
+                    self.decode.step_lost(g);
+                    self.evict_group(now, g, sh, out);
+                } else {
+                    self.decode_done(now, g, sh, out);
+                }
+            }
+            Input::HandoffDone(i) => self.place_in_decode(now, i as usize, out),
             Input::Tick => {
+                if self.scaling.is_some() {
+                    self.autoscale_tick(now, out);
+                }
                 let gpus = (
                     self.cfg.prefill.gpus,
                     self.cfg.decode.groups * self.cfg.decode.ranks,
@@ -183,6 +224,10 @@ impl<'a> ServingUnit<'a> {
                 self.prefill.woke(now);
                 self.pull_all(now, out);
             }
+            Input::Drain(g) => self.drain(now, g as usize, out),
+            Input::Fault(f) => self.fault(now, f, sh, out),
+            Input::Repair(f) => self.repair(now, f, out),
+            Input::Timer(t) => self.timer(now, t, sh, out),
         }
     }
 
@@ -307,6 +352,19 @@ impl<'a> ServingUnit<'a> {
             }
             let i = job.request.0 as usize;
             let r = &self.reqs[i];
+            if self.state[i].reprefill {
+                // Its KV is rebuilt; its first token and its blocks were out long ago.
+                self.state[i].reprefill = false;
+                out.push(Output::Handoff {
+                    request: i as u32,
+                    machine,
+                    bytes: u64::from(job.prompt_tokens) * kv_bytes + swa_bytes,
+                });
+                continue;
+            }
+            if let Some(s) = self.scaling.as_mut() {
+                s.on_first_token(now - self.state[i].arrival);
+            }
             let st = &mut self.state[i];
             st.first_token = now;
             st.last_token = now;
@@ -349,18 +407,6 @@ impl<'a> ServingUnit<'a> {
         }
     }
 
-    fn handoff_done(&mut self, now: Nanos, i: usize, out: &mut Vec<Output>) {
-        match self.decode.admit(i, &self.reqs[i]) {
-            None => self.reject(i, Rejection::DecodeQueueFull, out),
-            Some(g) => {
-                self.state[i].decode_group = g as u32;
-                if !self.decode.in_flight(g) {
-                    self.start_decode(now, g, out);
-                }
-            }
-        }
-    }
-
     fn start_decode(&mut self, start: Nanos, g: usize, out: &mut Vec<Output>) {
         if self.decode.plan_step(start, g) {
             out.push(Output::Launch {
@@ -371,7 +417,7 @@ impl<'a> ServingUnit<'a> {
     }
 
     fn decode_done(&mut self, now: Nanos, g: usize, sh: &mut SharedCache, out: &mut Vec<Output>) {
-        let ranks = self.cfg.decode.ranks;
+        let ranks = self.decode.groups()[g].ranks();
         self.metrics.on_decode_step(
             g,
             self.decode.started(g),
@@ -412,7 +458,12 @@ impl<'a> ServingUnit<'a> {
             self.complete(now, i as usize, sh, out);
         }
         self.decode.finished = finished;
-        self.start_decode(next_start, g, out);
+        if matches!(self.decode.status(g), GroupStatus::Evicting { .. }) {
+            // The grace period ended during this step: what is left leaves now.
+            self.evict_group(now, g, sh, out);
+        } else {
+            self.start_decode(next_start, g, out);
+        }
     }
 
     fn complete(&mut self, now: Nanos, i: usize, sh: &mut SharedCache, out: &mut Vec<Output>) {
@@ -428,6 +479,14 @@ impl<'a> ServingUnit<'a> {
             self.store_swa(now, i, r.context_tokens(), MachineId(machine), sh);
         }
         self.entry.record_output(r, sh);
+        if let Some(s) = self.scaling.as_mut() {
+            let st = &self.state[i];
+            if st.emitted > 1 {
+                s.on_complete(Nanos(
+                    (st.last_token - st.first_token).0 / u64::from(st.emitted - 1),
+                ));
+            }
+        }
         self.metrics.on_complete(now, i, r, &self.state[i]);
         out.push(Output::Finished {
             request: i as u32,
@@ -455,6 +514,12 @@ impl<'a> ServingUnit<'a> {
             return bad(format!(
                 "{} arrivals but {} completed + {rejected} rejected",
                 self.arrived, self.metrics.completed
+            ));
+        }
+        if self.faults.parked() > 0 {
+            return bad(format!(
+                "{} requests still wait for a decode group",
+                self.faults.parked()
             ));
         }
         self.decode
@@ -489,6 +554,9 @@ impl<'a> ServingUnit<'a> {
             },
             engine_tiers: self.prefill.engine_tiers(),
         };
-        Ok(self.metrics.into_report(f))
+        let mut report = self.metrics.into_report(f);
+        report.faults = self.faults.report;
+        report.autoscale = self.scaling.map(|s| s.report);
+        Ok(report)
     }
 }

@@ -48,6 +48,17 @@ pub struct PrefillPool {
     pub(crate) finished: Vec<PrefillJob>,
     /// The wake-up asked for and not yet delivered (None: none pending).
     wake_at: Option<Nanos>,
+    /// Engines that failed and are not back; empty while none ever failed or closed.
+    failed: Vec<bool>,
+    /// Engines the autoscaler took out of service (they finish what they hold).
+    closed: Vec<bool>,
+    /// Closed engines the autoscaler is bringing back (paid for, not serving yet).
+    provisioning: Vec<bool>,
+    /// Engines whose step was in flight when they failed: its end is still to come, and the
+    /// engine serves again only after it (so a late answer cannot be taken for a new step's).
+    aborted: Vec<bool>,
+    /// Repaired while their aborted step was still due.
+    up_after_abort: Vec<bool>,
 }
 
 impl PrefillPool {
@@ -86,6 +97,11 @@ impl PrefillPool {
             least_loaded: matches!(cfg.lb, PrefillLbPolicy::LeastLoaded),
             finished: Vec::new(),
             wake_at: None,
+            failed: Vec::new(),
+            closed: Vec::new(),
+            provisioning: Vec::new(),
+            aborted: Vec::new(),
+            up_after_abort: Vec::new(),
         })
     }
 
@@ -140,7 +156,7 @@ impl PrefillPool {
         match self.lb.submit(now, q, &self.loads) {
             // A push balancer's choice that cannot take the job yet: it waits in the
             // balancer's queue like any other, so the policy differs only in its choice.
-            Submitted::Routed(e, q) if !self.engines[e.0 as usize].has_room() => {
+            Submitted::Routed(e, q) if !self.can_take(e.0 as usize) => {
                 if self.lb.hold(q) {
                     Placed::Queued
                 } else {
@@ -196,7 +212,7 @@ impl PrefillPool {
         }
         let mut best: Option<PullKey> = None;
         for (e, eng) in self.engines.iter().enumerate() {
-            if !eng.has_room() {
+            if !eng.has_room() || self.is_down(e) {
                 continue;
             }
             let key = PullKey {
@@ -226,7 +242,8 @@ impl PrefillPool {
         let idle = self
             .engines
             .iter()
-            .any(|e| !e.busy() && e.jobs() == 0 && e.has_room());
+            .enumerate()
+            .any(|(i, e)| !e.busy() && e.jobs() == 0 && e.has_room() && !self.is_down(i));
         let at = self.lb.next_round()?;
         if !idle || self.wake_at.is_some_and(|w| w <= at) {
             return None;
@@ -256,6 +273,80 @@ impl PrefillPool {
         self.finished.clear();
         let plan = self.plans[e].as_prefill().expect("prefill plan");
         self.engines[e].complete_step(plan, &mut self.finished);
+    }
+
+    /// Engine `e` takes no new work (failed, or closed by the autoscaler).
+    pub fn is_down(&self, e: usize) -> bool {
+        self.failed.get(e).copied().unwrap_or(false) || self.closed.get(e).copied().unwrap_or(false)
+    }
+    fn can_take(&self, e: usize) -> bool {
+        self.engines[e].has_room() && !self.is_down(e)
+    }
+    fn init_masks(&mut self) {
+        let n = self.engines.len();
+        if self.failed.is_empty() {
+            self.failed = vec![false; n];
+            self.closed = vec![false; n];
+            self.provisioning = vec![false; n];
+            self.aborted = vec![false; n];
+            self.up_after_abort = vec![false; n];
+        }
+    }
+
+    /// Engine `e` failed: it takes no more work and its jobs (reset) are put in `out`. False
+    /// when it had failed already.
+    pub fn fail(&mut self, e: usize, out: &mut Vec<PrefillJob>) -> bool {
+        self.init_masks();
+        if self.failed[e] {
+            return false;
+        }
+        self.failed[e] = true;
+        self.aborted[e] = self.engines[e].busy();
+        self.engines[e].take_jobs(out);
+        true
+    }
+
+    /// Engine `e` is back (now, or once its aborted step's end has come). False when it had
+    /// not failed.
+    pub fn repair(&mut self, e: usize) -> bool {
+        if !self.failed.get(e).copied().unwrap_or(false) {
+            return false;
+        }
+        if self.aborted[e] {
+            self.up_after_abort[e] = true;
+        } else {
+            self.failed[e] = false;
+        }
+        true
+    }
+
+    /// The step that ended on engine `e` was aborted by its failure: true when it is to be
+    /// ignored (the engine comes back now if it was repaired meanwhile).
+    pub fn take_aborted(&mut self, e: usize) -> bool {
+        if !self.aborted.get(e).copied().unwrap_or(false) {
+            return false;
+        }
+        self.aborted[e] = false;
+        if std::mem::take(&mut self.up_after_abort[e]) {
+            self.failed[e] = false;
+        }
+        true
+    }
+
+    /// The autoscaler closes engine `e` (it runs what it holds, takes nothing new) or opens it.
+    pub fn set_closed(&mut self, e: usize, closed: bool) {
+        self.init_masks();
+        self.closed[e] = closed;
+    }
+    pub fn is_closed(&self, e: usize) -> bool {
+        self.closed.get(e).copied().unwrap_or(false)
+    }
+    pub fn set_provisioning(&mut self, e: usize, on: bool) {
+        self.init_masks();
+        self.provisioning[e] = on;
+    }
+    pub fn is_provisioning(&self, e: usize) -> bool {
+        self.provisioning.get(e).copied().unwrap_or(false)
     }
 
     /// Each engine's tier (-1 without tiers).

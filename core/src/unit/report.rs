@@ -218,6 +218,90 @@ pub struct ServiceReport {
     pub engines: Vec<EngineRow>,
     /// The storage cluster: failures, losses, degraded reads, rebuilds, writes.
     pub storage: StorageReport,
+    /// Drains, compute failures and what they moved (left out of the report when none).
+    #[serde(skip_serializing_if = "FaultReport::is_empty")]
+    pub faults: FaultReport,
+    /// The autoscaler's decisions and GPU time (only with an autoscaler).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub autoscale: Option<AutoscaleReport>,
+}
+
+/// What the autoscaler did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct AutoscaleReport {
+    pub policy: &'static str,
+    /// GPU-seconds paid for (provisioning, serving or draining), per pool.
+    pub prefill_gpu_s: f64,
+    pub decode_gpu_s: f64,
+    /// Engines / groups added and removed.
+    pub prefill_ups: u64,
+    pub prefill_downs: u64,
+    pub decode_ups: u64,
+    pub decode_downs: u64,
+    /// One row per metrics interval.
+    pub rows: Vec<ScaleRow>,
+}
+
+impl AutoscaleReport {
+    pub fn gpu_hours(&self) -> f64 {
+        (self.prefill_gpu_s + self.decode_gpu_s) / 3600.0
+    }
+}
+
+/// The pools and what the controller saw at the end of one interval.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ScaleRow {
+    pub t_s: f64,
+    /// Engines open / groups in service, as the controller counts them.
+    pub prefill_engines: u32,
+    pub decode_groups: u32,
+    /// GPUs paid for in the interval.
+    pub prefill_gpus: u32,
+    pub decode_gpus: u32,
+    pub prefill_busy: f64,
+    pub decode_occupancy: f64,
+    /// p90 TTFT / TPOT of the interval (NaN: no request).
+    pub ttft_p90_s: f64,
+    pub tpot_p90_s: f64,
+}
+
+/// What the unit's drains and compute failures did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct FaultReport {
+    /// Decode groups told to shut down, and those already down when told.
+    pub drains: u64,
+    pub drains_ignored: u64,
+    /// Decode ranks, prefill engines and SWA hosts that failed; failures of a device already
+    /// down (ignored); repairs.
+    pub decode_rank_failures: u64,
+    pub prefill_engine_failures: u64,
+    pub swa_host_failures: u64,
+    pub failures_ignored: u64,
+    pub repairs: u64,
+    /// Decode groups restarted on the ranks left, and the ranks they restarted with.
+    pub group_restarts: u64,
+    pub restart_ranks: Vec<u32>,
+    /// Decode steps in flight on a failed group (their tokens are lost and decoded again).
+    pub lost_decode_steps: u64,
+    /// Unfinished requests forwarded with their KV to another group, and the bytes moved.
+    pub forwarded_requests: u64,
+    pub forwarded_bytes: u64,
+    /// Requests whose KV died with a rank, prefilled again (prompt from the store's hits, the
+    /// tokens emitted so far recomputed), and the tokens recomputed.
+    pub reprefilled_requests: u64,
+    pub reprefill_tokens: u64,
+    /// Prefill jobs taken off a failed engine and given back to the balancer.
+    pub requeued_prefill_jobs: u64,
+    /// SWA states lost with their host.
+    pub swa_states_lost: u64,
+    /// Requests that waited for a decode group to come back up.
+    pub parked_requests: u64,
+}
+
+impl FaultReport {
+    pub fn is_empty(&self) -> bool {
+        *self == FaultReport::default()
+    }
 }
 
 impl ServiceReport {

@@ -29,6 +29,11 @@ pub struct RequestState {
     pub max_gap: Nanos,
     pub emitted: u32,
     pub decode_group: u32,
+    /// Prefilled again after its KV died with a decode rank (its first token is long out).
+    pub reprefill: bool,
+    /// Answers of prefix fetches for a job taken off a failed prefill engine, still to come
+    /// and to be ignored.
+    pub stale_ready: u8,
 }
 
 impl RequestState {
@@ -45,5 +50,7 @@ impl RequestState {
         max_gap: Nanos::ZERO,
         emitted: 0,
         decode_group: 0,
+        reprefill: false,
+        stale_ready: 0,
     };
 }

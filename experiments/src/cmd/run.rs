@@ -48,10 +48,12 @@ pub struct Args {
 /// Runs the experiment of `ctx`'s kind; a semantic error names the key and its line.
 pub fn dispatch(ctx: &exp::RunContext) -> Result<()> {
     let r = match ctx.config.header.kind.as_str() {
+        "autoscale-day" => exp::autoscale_day::run(ctx),
         "cache-policy" => exp::cache_policy::run(ctx),
         "dspark" => exp::dspark::run(ctx),
         "econ-sweep" => exp::econ::run(ctx),
         "eplb" => exp::eplb::run(ctx),
+        "faults" => exp::faults::run(ctx),
         "plan" => exp::plan::run(ctx),
         "service" => exp::service::run(ctx),
         other => bail!(

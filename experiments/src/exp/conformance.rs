@@ -100,6 +100,8 @@ pub fn service_config(
         series_interval: unit.series_interval,
         sample_every: unit.sample_every,
         touch_coalesce: unit.touch_coalesce,
+        faults: Default::default(),
+        autoscale: None,
     })
 }
 

@@ -3,20 +3,24 @@
 use crate::config::LoadedConfig;
 use std::path::PathBuf;
 
+pub mod autoscale_day;
 pub mod cache_policy;
 pub mod conformance;
 pub mod dspark;
 pub mod econ;
 pub mod eplb;
+pub mod faults;
 pub mod plan;
 pub mod service;
 pub mod trace_source;
 
 pub const KINDS: &[&str] = &[
+    "autoscale-day",
     "cache-policy",
     "dspark",
     "econ-sweep",
     "eplb",
+    "faults",
     "plan",
     "service",
 ];

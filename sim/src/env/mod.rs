@@ -4,6 +4,7 @@
 //! one driver loop ([`servelab_core::unit::run`]).
 
 pub mod arrivals;
+pub mod faults;
 pub mod links;
 pub mod moe;
 pub mod storage;
@@ -53,11 +54,20 @@ impl VirtualEnv {
             queue.push(t, Input::Arrival(i));
             queue.push(cfg.series_interval, Input::Tick);
         }
+        // The fault schedule is known in advance: all of it is queued now.
+        for (at, input) in cfg.faults.inputs(cfg.unit_shape(), seed) {
+            queue.push(at, input);
+        }
         Ok(VirtualEnv {
             queue,
             backend,
             storage: StorageCluster::new(&cfg.fetch, &cfg.store, seed),
-            links: Links::new(&cfg.links, prefill_machines),
+            links: Links::new(
+                &cfg.links,
+                prefill_machines,
+                cfg.decode.groups,
+                cfg.decode.ranks.div_ceil(cfg.decode.gpus_per_machine),
+            ),
             moe: MoeSkew::new(&cfg.moe, cfg.prefill.gpus, cfg.decode.groups, seed)?,
             series_interval: cfg.series_interval,
             kv_bytes_per_token: u64::from(c.kv_bytes_per_token),
@@ -176,6 +186,15 @@ impl Environment for VirtualEnv {
                 self.queue.push(at, Input::HandoffDone(request));
             }
             Output::WakeAt(at) => self.queue.push(at, Input::WakeUp),
+            Output::TimerAt { at, timer } => self.queue.push(at, Input::Timer(timer)),
+            Output::Forward {
+                request,
+                group,
+                bytes,
+            } => {
+                let at = self.links.forward(now, group, bytes);
+                self.queue.push(at, Input::HandoffDone(request));
+            }
             Output::Finished { request, .. } => {
                 if let Some((at, next)) = self.arrivals.follow(now, request, unit.requests()) {
                     self.queue.push(at, Input::Arrival(next));
