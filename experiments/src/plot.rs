@@ -32,7 +32,15 @@ pub fn grouped_bars(
     categories: &[String],
     series: &[(String, Vec<f64>)],
 ) -> Result<()> {
-    let root = SVGBackend::new(path, (960, 540)).into_drawing_area();
+    // Wide enough that every category's label fits under its group (about 7 px per character
+    // at the axis font), so long case names do not run into each other.
+    let longest = categories
+        .iter()
+        .map(|c| c.chars().count())
+        .max()
+        .unwrap_or(0);
+    let width = (categories.len() as u32 * (longest as u32 * 7 + 16) + 120).max(960);
+    let root = SVGBackend::new(path, (width, 540)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let y_max = series
         .iter()

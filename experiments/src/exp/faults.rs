@@ -141,6 +141,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     let mut out = RunOutput::create(&ctx.out)?;
     let mut df = table(&rows)?;
     out.write_table("cases", &mut df)?;
+    write_plots(&mut out, &rows)?;
     let text = summary(&rows, &cfg.campaign);
     out.write_text("summary.md", &text)?;
     let mut headline = std::collections::BTreeMap::new();
@@ -156,6 +157,43 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         seed,
     ))?;
     println!("{text}");
+    Ok(())
+}
+
+/// Per case, TTFT and hit rate of the requests that arrived before, during and after the
+/// case's event: what a failure costs while it lasts and whether the unit recovers.
+fn write_plots(out: &mut RunOutput, rows: &[Row]) -> Result<()> {
+    let cases: Vec<String> = rows.iter().map(|r| r.name.clone()).collect();
+    let by_window = |f: fn(&Window) -> f64| {
+        vec![
+            (
+                "before".to_string(),
+                rows.iter().map(|r| f(&r.before)).collect(),
+            ),
+            (
+                "during".to_string(),
+                rows.iter().map(|r| f(&r.during)).collect(),
+            ),
+            (
+                "after".to_string(),
+                rows.iter().map(|r| f(&r.after)).collect(),
+            ),
+        ]
+    };
+    crate::plot::grouped_bars(
+        &out.path("ttft.svg"),
+        "TTFT mean by case: requests arriving before, during and after the event",
+        "TTFT mean (ms)",
+        &cases,
+        &by_window(|w| w.ttft_ms),
+    )?;
+    crate::plot::grouped_bars(
+        &out.path("hit_rate.svg"),
+        "Input hit rate by case: before, during and after the event",
+        "hit rate",
+        &cases,
+        &by_window(|w| w.hit_rate),
+    )?;
     Ok(())
 }
 
