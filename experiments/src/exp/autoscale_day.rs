@@ -54,6 +54,8 @@ struct Policy {
 
 struct Hour {
     gpu_hours: f64,
+    /// Hours of the run inside this hour (1 but for the last, which the drain ends early).
+    span_h: f64,
     requests: u64,
     met_slo: u64,
     revenue: f64,
@@ -137,6 +139,7 @@ fn hours(rep: &ServiceReport, s: &ServiceConfig, day: &Day) -> Vec<Hour> {
         .map(|i| {
             let span = (rep.simulated_s - 3600.0 * i as f64).clamp(0.0, 3600.0);
             Hour {
+                span_h: span / 3600.0,
                 gpu_hours: if rep.autoscale.is_some() {
                     0.0
                 } else {
@@ -191,12 +194,14 @@ fn plots(out: &mut RunOutput, outcomes: &[Outcome]) -> Result<()> {
             .collect()
     };
     let p = out.path("gpus.svg");
+    // GPUs on average over the part of the hour the run lasted, so the last, partial hour of
+    // the drain does not read as a scale-down.
     crate::plot::lines(
         &p,
-        "GPUs paid for",
+        "GPUs paid for (mean over each hour)",
         "hour",
-        "GPU-hours per hour",
-        &per_hour(&|h| h.gpu_hours),
+        "GPUs",
+        &per_hour(&|h| h.gpu_hours / h.span_h.max(1e-9)),
     )?;
     let p = out.path("slo.svg");
     let att = |h: &Hour| h.met_slo as f64 / h.requests.max(1) as f64;
