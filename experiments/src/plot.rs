@@ -2,6 +2,7 @@
 //! needs no system fonts at build or run time.
 
 use anyhow::{Result, anyhow};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use std::path::Path;
 
@@ -172,7 +173,34 @@ pub fn lines_marked(
         .y_desc(y_label)
         .draw()
         .map_err(err)?;
-    let (lo, hi) = (y0 - pad, y1 + pad);
+    draw_marks(&mut chart, marks, (x0, x1), (y0 - pad, y1 + pad))?;
+    for (si, (name, p)) in series.iter().enumerate() {
+        let c = color(si);
+        chart
+            .draw_series(LineSeries::new(p.iter().copied(), c.stroke_width(2)))
+            .map_err(err)?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+/// Draws `marks` (the shaded window, the reference levels and ranges) across the x range `xs`
+/// and the y range `ys` of `chart`, under the series drawn after them.
+fn draw_marks(
+    chart: &mut ChartContext<'_, SVGBackend<'_>, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    marks: &Marks,
+    (x0, x1): (f64, f64),
+    (lo, hi): (f64, f64),
+) -> Result<()> {
     if let Some((label, a, b)) = &marks.window {
         let grey = RGBColor(128, 128, 128);
         chart
@@ -206,22 +234,6 @@ pub fn lines_marked(
             chart.draw_series(dashed(r.high)).map_err(err)?;
         }
     }
-    for (si, (name, p)) in series.iter().enumerate() {
-        let c = color(si);
-        chart
-            .draw_series(LineSeries::new(p.iter().copied(), c.stroke_width(2)))
-            .map_err(err)?
-            .label(name.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)?;
     Ok(())
 }
 
