@@ -15,6 +15,7 @@ use servelab_core::{
 };
 use servelab_sim::profile::{HardwareProfile, ProfileFiles};
 use servelab_sim::service::ServiceConfig;
+use servelab_tests::agent_workload;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -271,24 +272,6 @@ fn small_service() -> ServiceConfig {
     c.warmup = Nanos::ZERO;
     c.sample_every = 1;
     c
-}
-
-fn agent_workload() -> servelab_workloads::generate::WorkloadConfig {
-    toml::from_str(
-        r#"
-        [agent]
-        sessions = 30
-        session_rate_per_s = 1.0
-        turns = { kind = "uniform", min = 8, max = 16 }
-        system_prompts = 2
-        system_prompt_tokens = { kind = "fixed", value = 6000 }
-        task_tokens = { kind = "uniform", min = 200, max = 2000 }
-        reply_tokens = { kind = "uniform", min = 50, max = 300 }
-        tool_result_tokens = { kind = "uniform", min = 200, max = 2000 }
-        think_time_s = { kind = "exponential", mean = 2.0 }
-        "#,
-    )
-    .unwrap()
 }
 
 fn sim_with(faults: &str, seed: u64) -> servelab_sim::service::ServiceReport {

@@ -26,23 +26,8 @@ fn small_unit() -> ServiceConfig {
     c
 }
 
-/// Agent sessions that re-read long contexts for a minute.
 fn workload() -> WorkloadConfig {
-    toml::from_str(
-        r#"
-        [agent]
-        sessions = 30
-        session_rate_per_s = 1.0
-        turns = { kind = "uniform", min = 8, max = 16 }
-        system_prompts = 2
-        system_prompt_tokens = { kind = "fixed", value = 6000 }
-        task_tokens = { kind = "uniform", min = 200, max = 2000 }
-        reply_tokens = { kind = "uniform", min = 50, max = 300 }
-        tool_result_tokens = { kind = "uniform", min = 200, max = 2000 }
-        think_time_s = { kind = "exponential", mean = 2.0 }
-        "#,
-    )
-    .unwrap()
+    servelab_tests::agent_workload()
 }
 
 fn fail(nodes: &[u32], at_s: u64, repair_s: Option<u64>) -> ScheduledFailure {

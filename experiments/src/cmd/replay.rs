@@ -133,7 +133,7 @@ pub fn replay(a: &Args) -> Result<Outcome> {
     }
     let trace: Trace = crate::exp::trace_source::read(&a.trace, a.format, a.block_size, class)?;
     if let Some(t) = ttl {
-        crate::exp::trace_source::print_warnings(&crate::exp::trace_source::ttl_warnings(
+        crate::exp::trace_source::print_warnings(crate::exp::trace_source::ttl_warnings(
             &trace,
             &[("--ttl".to_string(), t)],
         ));

@@ -42,7 +42,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             .filter(|&&c| trace.requests.iter().any(|r| r.class == c))
             .filter_map(|&c| Some((format!("service.store.ttl.{}", c.name()), ttl.get(c)?)))
             .collect();
-        super::trace_source::print_warnings(&super::trace_source::ttl_warnings(&trace, &ttls));
+        super::trace_source::print_warnings(super::trace_source::ttl_warnings(&trace, &ttls));
     }
     // Wall time goes to stdout only: output files stay a pure function of config and seed.
     let started = std::time::Instant::now();

@@ -103,7 +103,7 @@ pub fn ttl_warnings(trace: &Trace, ttls: &[(String, Nanos)]) -> Vec<String> {
 }
 
 /// Prints `warnings` on stderr, one `warning:` line each.
-pub fn print_warnings(warnings: &[String]) {
+pub fn print_warnings(warnings: impl IntoIterator<Item = String>) {
     for w in warnings {
         eprintln!("warning: {w}");
     }
@@ -118,11 +118,7 @@ pub fn read(
     block_tokens: Option<u32>,
     class: TrafficClass,
 ) -> Result<Trace> {
-    print_warnings(
-        &keying_warning(format, block_tokens)
-            .into_iter()
-            .collect::<Vec<_>>(),
-    );
+    print_warnings(keying_warning(format, block_tokens));
     Ok(match format {
         TraceFormat::Mooncake => mooncake::load(
             path,
