@@ -56,12 +56,64 @@ pub struct MlaConfig {
     /// `cp.async` with the L2 256-byte prefetch hint.
     #[serde(default)]
     pub l2_prefetch: bool,
+    /// The swapped-operand kernel (`mla_decode_swapped`): each warp owns 8 (token, head) rows,
+    /// every key of a tile and every value dim, so the softmax stays inside the warp and a tile
+    /// costs one barrier. `warps` is then the number of 8-row n-tiles per CTA and `m_tiles`
+    /// must be 1.
+    #[serde(default)]
+    pub swapped: bool,
 }
 
 impl MlaConfig {
     /// (token, head) rows of one CTA.
     pub fn rows(&self) -> usize {
-        16 * self.m_tiles
+        if self.swapped {
+            8 * self.warps
+        } else {
+            16 * self.m_tiles
+        }
+    }
+
+    /// CTAs per split that cover a group of `max_rows` (token, head) rows.
+    pub fn chunks(&self, max_rows: usize) -> usize {
+        if self.swapped {
+            max_rows.div_ceil(self.rows()).max(1)
+        } else {
+            row_chunks(max_rows, self.m_tiles).1
+        }
+    }
+
+    /// The swapped kernel's tiles for `max_rows` rows: the fewest CTAs of at most `most_warps`
+    /// warps (8 rows each), then the fewest warps that still cover the rows.
+    pub fn swapped_for(
+        max_rows: usize,
+        most_warps: usize,
+        keys_per_tile: usize,
+        stages: usize,
+        min_blocks: usize,
+        q_in_registers: bool,
+    ) -> Self {
+        let ntiles = max_rows.div_ceil(8).max(1);
+        let chunks = ntiles.div_ceil(most_warps.max(1));
+        Self {
+            keys_per_tile,
+            warps: ntiles.div_ceil(chunks),
+            stages,
+            m_tiles: 1,
+            min_blocks,
+            q_in_registers,
+            l2_prefetch: false,
+            swapped: true,
+        }
+    }
+
+    /// The split kernel's name in the CUDA source.
+    pub fn kernel_name(&self) -> &'static str {
+        if self.swapped {
+            "mla_decode_swapped"
+        } else {
+            "mla_decode_split"
+        }
     }
 
     /// Shared latent row in bf16 elements: an odd number of 16-byte chunks, so the eight rows
@@ -78,12 +130,20 @@ impl MlaConfig {
     /// Dynamic shared memory of one CTA: Q rows, the key ring, the P tile, the max exchange.
     pub fn smem_bytes(&self, shape: &PagedAttentionShape) -> usize {
         let row = Self::row(shape.d_qk);
+        if self.swapped {
+            // the key ring, and Q's rows unless they stay in registers
+            let q_rows = if self.q_in_registers { 0 } else { self.rows() };
+            return (self.stages * self.keys_per_tile + q_rows) * row * 2;
+        }
         (self.rows() + self.stages * self.keys_per_tile) * row * 2
             + self.rows() * self.p_row() * 2
             + self.warps * self.rows() * 4
     }
 
     pub fn validate_for(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
+        if self.swapped {
+            return self.validate_swapped(shape);
+        }
         ensure(matches!(self.keys_per_tile, 16 | 32 | 64), || {
             format!(
                 "keys_per_tile = {} must be 16, 32 or 64",
@@ -143,8 +203,86 @@ impl MlaConfig {
         )
     }
 
+    fn validate_swapped(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
+        ensure(matches!(self.keys_per_tile, 16 | 32 | 64), || {
+            format!(
+                "keys_per_tile = {} must be 16, 32 or 64",
+                self.keys_per_tile
+            )
+        })?;
+        ensure((1..=8).contains(&self.warps), || {
+            format!("warps = {} must be in 1..=8", self.warps)
+        })?;
+        ensure(self.m_tiles == 1, || {
+            "the swapped kernel takes m_tiles = 1".into()
+        })?;
+        ensure(
+            shape.d_v.is_multiple_of(16) && shape.d_v <= shape.d_qk && shape.d_v <= 512,
+            || {
+                format!(
+                    "d_v = {} must be a multiple of 16, at most d_qk and at most 512",
+                    shape.d_v
+                )
+            },
+        )?;
+        ensure(shape.d_qk.is_multiple_of(32), || {
+            format!("d_qk = {} must be a multiple of 32", shape.d_qk)
+        })?;
+        ensure(shape.block_size >= self.keys_per_tile, || {
+            format!(
+                "block_size = {} must hold a whole tile of {} keys",
+                shape.block_size, self.keys_per_tile
+            )
+        })?;
+        ensure(self.stages >= 2, || "stages must be >= 2".into())?;
+        ensure((1..=8).contains(&self.min_blocks), || {
+            "min_blocks must be in 1..=8".into()
+        })?;
+        ensure(
+            self.smem_bytes(shape) * self.min_blocks <= MAX_DYNAMIC_SMEM,
+            || {
+                format!(
+                    "{self:?} needs {} B of shared memory per CTA (limit {MAX_DYNAMIC_SMEM} per SM)",
+                    self.smem_bytes(shape)
+                )
+            },
+        )
+    }
+
     /// The `#define`s of this variant.
     fn defines(&self, shape: &PagedAttentionShape) -> Vec<(&'static str, usize)> {
+        if self.swapped {
+            let ksteps = shape.d_qk / 16;
+            // k-steps loaded together: 4 when they divide the steps and one 16-key m-tile
+            // leaves the registers for it, else 2 (ldmatrix of Q loads two steps at once)
+            let qg = if ksteps.is_multiple_of(4) && self.keys_per_tile == 16 {
+                4
+            } else {
+                2
+            };
+            let dtiles = shape.d_v / 16;
+            let vg = [4, 2, 1]
+                .into_iter()
+                .find(|v| dtiles.is_multiple_of(*v))
+                .unwrap_or(1);
+            return vec![
+                ("D_QK", shape.d_qk),
+                ("D_V", shape.d_v),
+                ("GROUP", shape.group),
+                ("MT", 1),
+                ("TK", self.keys_per_tile),
+                ("NW", self.warps),
+                ("STAGES", self.stages),
+                ("MINB", self.min_blocks),
+                ("ROWP", Self::row(shape.d_qk)),
+                ("PROWP", self.p_row()),
+                ("QREG", self.q_in_registers as usize),
+                ("PF", self.l2_prefetch as usize),
+                ("SWAPPED", 1),
+                ("QG", qg),
+                ("VG", vg),
+            ];
+        }
         vec![
             ("D_QK", shape.d_qk),
             ("D_V", shape.d_v),
@@ -178,11 +316,11 @@ pub fn row_chunks(max_rows: usize, max_m_tiles: usize) -> (usize, usize) {
 
 /// The default tiles for groups of at most `max_rows` (token, head) rows.
 ///
-/// One m-tile (a single-token decode of 16 heads): 16-key tiles shared by 2 warps, two
-/// stages, four CTAs per SM. Measured best on the H200 at 64 x 16K: the kernel is bound by
-/// each CTA's latency per tile (three barriers, and the
-/// fragments' loads before their MMAs), so the most CTAs per SM wins over deeper rings or
-/// register-resident Q.
+/// Up to 16 rows (a single-token decode of 16 heads): the swapped kernel, whose warps need no
+/// exchange inside a tile (see [`MlaConfig::swapped`]). The shared-tile kernel with 16-key
+/// tiles, two warps and four CTAs per SM, its best on the H200, is bound by each CTA's
+/// latency per tile (three barriers, the max exchange and P's round trip through shared
+/// memory).
 ///
 /// More rows (verification): 64-key tiles shared by 8 warps and the fewest CTAs per split whose
 /// m-tiles fit (three m-tiles of 16 rows is the most whose Q rows, key ring and accumulators
@@ -196,6 +334,7 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         min_blocks: 1,
         q_in_registers: false,
         l2_prefetch: false,
+        swapped: false,
     };
     let narrow = MlaConfig {
         keys_per_tile: 32,
@@ -208,6 +347,9 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         min_blocks: 4,
         ..base
     };
+    // A single-token decode of up to 16 heads keeps the shared-tile kernel's measured best
+    // (16-key tiles of 2 warps, four CTAs per SM); the swapped kernel is an option until a
+    // GPU run has timed it (`attention_bench` sweeps both).
     let first = (max_rows <= 16).then_some(single);
     first
         .into_iter()
@@ -322,7 +464,7 @@ impl MlaAttention {
                 "mla_attention",
                 SRC,
                 &cfg.defines(&self.shape),
-                &["mla_decode_split"],
+                &[cfg.kernel_name()],
             )?
             .remove(0);
         let smem = cfg.smem_bytes(&self.shape);
@@ -336,6 +478,11 @@ impl MlaAttention {
             .unwrap_or(1);
         loaded.push((*cfg, f.clone(), per_sm));
         Ok((f, per_sm))
+    }
+
+    /// CTAs of the split kernel for `cfg` resident on one SM (the occupancy API).
+    pub fn resident_per_sm(&self, gpu: &GpuContext, cfg: &MlaConfig) -> Result<usize, KernelError> {
+        Ok(self.kernel(gpu, cfg)?.1)
     }
 
     /// Registers per thread and local-memory (spill) bytes of the split kernel for `cfg`.
@@ -394,7 +541,7 @@ impl MlaAttention {
     ) -> Result<usize, KernelError> {
         let cfg = self.config_for(rows)?;
         let (_, per_sm) = self.kernel(gpu, &cfg)?;
-        let (_, chunks) = row_chunks(rows.max_rows, cfg.m_tiles);
+        let chunks = cfg.chunks(rows.max_rows);
         let units = rows.groups * self.shape.num_kv_heads * chunks;
         Ok(pick_tokens_per_split(
             rows.max_len,
@@ -471,7 +618,7 @@ impl MlaAttention {
         )?;
         let cfg = self.config_for(rows)?;
         let (f, _) = self.kernel(gpu, &cfg)?;
-        let (_, chunks) = row_chunks(rows.max_rows, cfg.m_tiles);
+        let chunks = cfg.chunks(rows.max_rows);
         let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
         let (max_blocks, kvh, bs) = (
             rows.max_blocks as i32,
@@ -597,16 +744,22 @@ fn check_case(
     Ok(CheckResult::from_stats(
         "mla_attention",
         format!(
-            "kvh={} group={} d_qk={} d_v={} bs={} kv lens {kv_lens:?} query tokens {query_lens:?} split {tokens_per_split}; tiles {} keys x {} warps x {} stages x {} m-tiles",
+            "kvh={} group={} d_qk={} d_v={} bs={} kv lens {kv_lens:?} query tokens {query_lens:?} split {tokens_per_split}; {} tiles {} keys x {} warps x {} stages x {} m-tiles{}",
             shape.num_kv_heads,
             shape.group,
             shape.d_qk,
             shape.d_v,
             shape.block_size,
+            if used.swapped { "swapped" } else { "shared" },
             used.keys_per_tile,
             used.warps,
             used.stages,
-            used.m_tiles
+            used.m_tiles,
+            if used.q_in_registers {
+                ", Q in registers"
+            } else {
+                ""
+            }
         ),
         ErrorStats::of(&got, &reference),
         BF16_TOL,
@@ -624,6 +777,7 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
             min_blocks: 1,
             q_in_registers: false,
             l2_prefetch: false,
+            swapped: false,
         })
     };
     let qreg = |keys_per_tile, warps, min_blocks| {
@@ -635,10 +789,22 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
             min_blocks,
             q_in_registers: true,
             l2_prefetch: true,
+            swapped: false,
         })
     };
+    // The swapped kernel for `rows` rows, CTAs of at most `most` warps.
+    let sw = |rows, most, keys_per_tile, stages, q_in_registers| {
+        Some(MlaConfig::swapped_for(
+            rows,
+            most,
+            keys_per_tile,
+            stages,
+            1,
+            q_in_registers,
+        ))
+    };
     // Ragged lengths: a single key, lengths inside and at block ends, tiles crossing blocks
-    // (splits of 96 keys), and every verification length of DSpark.
+    // (splits of 96 or 200 keys), and every verification length of DSpark.
     let decode_lens = [1usize, 127, 128, 3 * 128 + 17, 5 * 128 + 1, 1000];
     let verify_lens = [6usize, 131, 256, 589, 700, 1500];
     let verify_q = [6usize, 1, 4, 3, 5, 2];
@@ -662,6 +828,46 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         (spec, &verify_lens, &verify_q, c(16, 2, 3, 1), 96),
         (spec, &decode_lens, &ones, qreg(64, 8, 1), 256),
         (spec, &decode_lens, &ones, qreg(32, 4, 2), 96),
+        // the swapped kernel: 64-key tiles across block ends (splits of 96), 16-key tiles
+        // across them (splits of 200), verification over 6 and 5 warps per CTA (the last CTA
+        // of a group, and groups of fewer tokens, have warps with no rows), Q in registers
+        (spec, &decode_lens, &ones, sw(16, 2, 64, 2, false), 96),
+        (spec, &decode_lens, &ones, sw(16, 2, 16, 4, false), 200),
+        (spec, &decode_lens, &ones, sw(16, 2, 16, 4, true), 128),
+        (spec, &decode_lens, &ones, sw(16, 1, 32, 3, false), 384),
+        (spec, &verify_lens, &verify_q, sw(96, 8, 16, 3, false), 256),
+        (
+            spec,
+            &verify_lens,
+            &verify_q,
+            Some(MlaConfig {
+                warps: 5,
+                ..MlaConfig::swapped_for(96, 8, 32, 2, 1, false)
+            }),
+            200,
+        ),
+        (spec, &verify_lens, &verify_q, sw(96, 4, 16, 2, true), 96),
+        (
+            PagedAttentionShape {
+                num_kv_heads: 2,
+                group: 8,
+                ..spec
+            },
+            &verify_lens,
+            &verify_q,
+            sw(48, 8, 16, 3, false),
+            256,
+        ),
+        (
+            PagedAttentionShape {
+                block_size: 64,
+                ..spec
+            },
+            &verify_lens,
+            &verify_q,
+            sw(96, 4, 64, 2, false),
+            96,
+        ),
         // 8 heads per latent: two tokens per m-tile; two latent heads
         (
             PagedAttentionShape {
@@ -715,18 +921,77 @@ mod tests {
             assert!(c.smem_bytes(&s) <= MAX_DYNAMIC_SMEM, "{c:?}");
         }
         let one = default_config(&s, 16).unwrap();
-        assert_eq!(
-            (one.keys_per_tile, one.warps, one.m_tiles, one.min_blocks),
-            (16, 2, 1, 4)
-        );
+        let swapped = MlaConfig::swapped_for(16, 2, 16, 3, 3, false);
+        assert!(swapped.swapped);
+        swapped.validate_for(&s).unwrap();
+        // three stages of 16 x 584 and Q 16 x 584 (bf16): three CTAs fit in 227 KiB
+        assert_eq!(swapped.smem_bytes(&s), (48 + 16) * 584 * 2);
+        let shared = MlaConfig {
+            keys_per_tile: 16,
+            warps: 2,
+            stages: 2,
+            m_tiles: 1,
+            min_blocks: 4,
+            q_in_registers: false,
+            l2_prefetch: false,
+            swapped: false,
+        };
+        assert_eq!(one, shared);
         // Q 16 x 584, two stages of 16 x 584, P 16 x 24 (bf16), maxima 2 x 16 (f32): four
         // CTAs fit in 227 KiB
         assert_eq!(
-            one.smem_bytes(&s),
+            shared.smem_bytes(&s),
             (16 + 32) * 584 * 2 + 16 * 24 * 2 + 2 * 16 * 4
         );
+        shared.validate_for(&s).unwrap();
         let six = default_config(&s, 96).unwrap();
         assert_eq!((six.keys_per_tile, six.warps, six.m_tiles), (64, 8, 3));
+    }
+
+    #[test]
+    fn swapped_tiles_cover_the_rows_with_the_fewest_warps() {
+        let s = spec_shape(16);
+        let c = |rows, most| MlaConfig::swapped_for(rows, most, 16, 2, 1, false);
+        // 6 tokens x 16 heads = 12 n-tiles of 8 rows: 2 CTAs of 6 warps
+        assert_eq!((c(96, 8).warps, c(96, 8).chunks(96)), (6, 2));
+        assert_eq!((c(96, 2).warps, c(96, 2).chunks(96)), (2, 6));
+        assert_eq!((c(16, 8).warps, c(16, 8).chunks(16)), (2, 1));
+        // a chunk of 5 warps over 96 rows: 3 CTAs, the last with 16 live rows
+        let five = MlaConfig {
+            warps: 5,
+            ..c(96, 8)
+        };
+        assert_eq!(five.chunks(96), 3);
+        for rows in [16, 32, 64, 96] {
+            c(rows, 8).validate_for(&s).unwrap();
+        }
+        // the swapped kernel takes one m-tile and at most 8 warps
+        assert!(
+            MlaConfig {
+                m_tiles: 2,
+                ..c(16, 2)
+            }
+            .validate_for(&s)
+            .is_err()
+        );
+        assert!(
+            MlaConfig {
+                warps: 9,
+                ..c(16, 2)
+            }
+            .validate_for(&s)
+            .is_err()
+        );
+        // five 16-key stages and Q (96 KB) do not fit three times in one SM
+        assert!(
+            MlaConfig {
+                stages: 5,
+                min_blocks: 3,
+                ..c(16, 2)
+            }
+            .validate_for(&s)
+            .is_err()
+        );
     }
 
     #[test]

@@ -119,6 +119,13 @@ pub fn all_variants() -> Vec<Variant> {
                 crate::mla_attention::defines(&s, &c),
             ));
         }
+        // the swapped kernel with Q in registers
+        let c = crate::mla_attention::MlaConfig::swapped_for(rows, 4, 16, 2, 1, true);
+        v.push((
+            format!("mla_attention swapped {s:?} {c:?}"),
+            crate::mla_attention::SRC.to_string(),
+            crate::mla_attention::defines(&s, &c),
+        ));
     }
     let sw = crate::swa::SwaShape {
         num_kv_heads: 2,

@@ -14,19 +14,34 @@ use crate::timing::{Timing, time_ms};
 /// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM, Q in
 /// registers, L2 prefetch). Configurations the shape does not take (shared memory, registers)
 /// are skipped.
-const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 12] = [
+const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 6] = [
     (16, 2, 2, 1, 4, false, false),
-    (16, 2, 2, 1, 4, false, true),
-    (16, 2, 3, 1, 3, false, false),
     (32, 4, 2, 1, 2, false, false),
-    (32, 4, 2, 1, 2, false, true),
     (64, 8, 2, 1, 1, true, false),
-    (64, 8, 2, 1, 1, true, true),
     (64, 8, 2, 2, 1, false, false),
-    (64, 8, 2, 2, 1, false, true),
     (64, 8, 2, 3, 1, false, false),
-    (64, 8, 2, 3, 1, false, true),
     (32, 4, 2, 2, 1, false, false),
+];
+
+/// Swapped-kernel tiles swept for groups of `max_rows` rows: (most warps per CTA, keys per
+/// tile, stages, CTAs per SM, Q in registers). Configurations the shape does not take are
+/// skipped; the CTAs per SM are a bound for the compiler, the occupancy API gives the real
+/// count.
+const SWAPPED_SWEEP: [(usize, usize, usize, usize, bool); 14] = [
+    (2, 16, 2, 4, false),
+    (2, 16, 3, 3, false),
+    (2, 16, 4, 2, false),
+    (2, 16, 2, 4, true),
+    (2, 16, 3, 4, true),
+    (2, 16, 4, 3, true),
+    (2, 32, 2, 3, false),
+    (2, 32, 3, 2, false),
+    (4, 16, 3, 2, false),
+    (4, 16, 3, 2, true),
+    (4, 32, 2, 2, false),
+    (8, 16, 3, 1, false),
+    (8, 16, 4, 1, true),
+    (8, 32, 2, 1, false),
 ];
 
 /// Decode (or verification with `query_tokens` per sequence) over `seqs` sequences of
@@ -74,7 +89,14 @@ pub fn measure_mla_decode(
                 min_blocks,
                 q_in_registers,
                 l2_prefetch,
+                swapped: false,
             };
+            if !configs.contains(&c) && c.validate_for(&shape).is_ok() {
+                configs.push(c);
+            }
+        }
+        for (most, keys, stages, min_blocks, qreg) in SWAPPED_SWEEP {
+            let c = MlaConfig::swapped_for(d_rows.max_rows(), most, keys, stages, min_blocks, qreg);
             if !configs.contains(&c) && c.validate_for(&shape).is_ok() {
                 configs.push(c);
             }
@@ -90,9 +112,10 @@ pub fn measure_mla_decode(
         att.set_config(Some(*cfg))?;
         let rule = att.default_tokens_per_split(gpu, &d_rows)?;
         let resources = att.resources(gpu, cfg)?;
+        let resident = att.resident_per_sm(gpu, cfg)?;
         let mut sizes = vec![rule];
         if sweep {
-            sizes.extend([1024, 2048, 4096, 8192]);
+            sizes.extend([1024, 2048, 4096]);
         }
         sizes.dedup();
         for tps in sizes {
@@ -108,7 +131,8 @@ pub fn measure_mla_decode(
             })?;
             tried.push((tps, *cfg));
             trials.push(format!(
-                "{}x{}x{}x{}/{}{}{} @{tps}: {:.0}",
+                "{}{}x{}x{}x{}/{}({resident}){}{} @{tps}: {:.0}",
+                if cfg.swapped { "T" } else { "" },
                 cfg.keys_per_tile,
                 cfg.warps,
                 cfg.stages,
@@ -130,12 +154,14 @@ pub fn measure_mla_decode(
         }
     }
     let (tps, cfg, t, (regs, local)) = best.expect("at least one configuration");
+    let per_sm = att.resident_per_sm(gpu, &cfg)?;
     let rate = gbps(kv_bytes, &t);
     let default_note = match default_row {
         Some((dt, dtm, (dr, dl))) => {
             let r = gbps(kv_bytes, &dtm);
             format!(
-                "; backend default (tiles {} keys x {} warps x {} stages x {} m-tiles, rule {dt} tokens/split; {dr} regs, {dl} B local) {r:.1} GB/s = {}",
+                "; backend default ({} tiles {} keys x {} warps x {} stages x {} m-tiles, rule {dt} tokens/split; {dr} regs, {dl} B local) {r:.1} GB/s = {}",
+                if default.swapped { "swapped" } else { "shared" },
                 default.keys_per_tile,
                 default.warps,
                 default.stages,
@@ -159,8 +185,9 @@ pub fn measure_mla_decode(
         unit: "GB/s",
         ratio: Some(rate / ceilings.copy),
         note: format!(
-            "KV bytes read; {}; best tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial (keys x warps x stages x m-tiles/CTAs per SM[Q: Q in registers][P: L2 prefetch] @tokens per split: GB/s): {}",
+            "KV bytes read; {}; best {} tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, {per_sm} resident, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial ([T: swapped kernel]keys x warps x stages x m-tiles/CTAs per SM bound(resident)[Q: Q in registers][P: L2 prefetch] @tokens per split: GB/s): {}",
             ceilings.note(rate),
+            if cfg.swapped { "swapped" } else { "shared" },
             cfg.keys_per_tile,
             cfg.warps,
             cfg.stages,

@@ -99,6 +99,10 @@ __device__ __forceinline__ unsigned int pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+#ifndef SWAPPED
+#define SWAPPED 0
+#endif
+#if !SWAPPED
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
                  const int* __restrict__ block_tables, int max_blocks_per_row,
@@ -434,6 +438,311 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
                 *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[mt][n][2 * h], o[mt][n][2 * h + 1]);
         }
 }
+
+#else  // SWAPPED
+
+// Swapped-operand variant (SWAPPED = 1, kernel mla_decode_swapped): no exchange between warps
+// inside a tile. Each warp owns 8 (token, head) rows of the chunk (the MMA's N dimension), all
+// keys of every tile and all D_V value dims, so the online softmax of its rows stays in the
+// warp and the only barrier per tile is the one that recycles a ring stage:
+//  * Sᵀ = K·Qᵀ (m16n8k16): the keys are the M dimension (A fragments of 16 keys x 16 dims by
+//    ldmatrix of the shared tile), Qᵀ the B operand (8 rows; in registers with QREG, else by
+//    ldmatrix from a shared copy of Q). KACC-like independent accumulators keep several MMA
+//    chains in flight.
+//  * The per-row max over the tile's keys is a reduction over the lanes of equal qd (three
+//    shuffles); P is packed to bf16 and transposed in registers with movmatrix, which turns
+//    the accumulator layout of Sᵀ (key rows) into the B fragments of P·V (key columns).
+//  * Oᵀ += Vᵀ·Pᵀ: the value dims are the M dimension (A fragments by ldmatrix.trans of the same
+//    key rows), so one warp's accumulators are D_V x 8 rows = D_V / 4 floats per lane.
+// Compile-time: TK (keys per tile, a multiple of 16, at most block_size), NW (warps = 8-row
+// n-tiles per CTA), STAGES, MINB, ROWP, QREG, PF as above; QG (k-steps of Sᵀ whose fragments
+// are loaded together, divides D_QK / 16) and VG (dim m-tiles of Oᵀ loaded together, divides
+// D_V / 16).
+#define SROWS (NW * 8)
+#define NMT (TK / 16)
+#define NDT (D_V / 16)
+#define SACC (NMT >= 4 ? 1 : 4 / NMT)
+#ifndef QG
+#define QG 2
+#endif
+#ifndef VG
+#define VG 4
+#endif
+
+__device__ __forceinline__ unsigned int movm_t(unsigned int x) {
+    unsigned int y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+mla_decode_swapped(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
+                   const int* __restrict__ block_tables, int max_blocks_per_row,
+                   const int* __restrict__ g_row, const int* __restrict__ g_start,
+                   const int* __restrict__ g_end, const int* __restrict__ g_q0,
+                   const int* __restrict__ g_qn, i64 block_stride, int row_stride, int num_kv_heads,
+                   int block_size, int tokens_per_split, int max_splits, float scale,
+                   float* __restrict__ part_m, float* __restrict__ part_l, float* __restrict__ part_acc) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16_t* tiles = reinterpret_cast<bf16_t*>(smem_raw);  // [STAGES][TK][ROWP]
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int chunk = blockIdx.x, split = blockIdx.y;
+    const int gi = blockIdx.z / num_kv_heads, kvh = blockIdx.z % num_kv_heads;
+    const int num_heads = num_kv_heads * GROUP;
+    const int qn = g_qn[gi], q0 = g_q0[gi];
+    const int row0 = chunk * SROWS;
+    const int nrow = qn * GROUP - row0;  // live rows of this CTA
+    const int start = g_start[gi], end = g_end[gi];
+    const int s0 = start + split * tokens_per_split;
+    if (nrow <= 0 || split >= max_splits || s0 >= end) return;
+    const int s1 = min(end, s0 + tokens_per_split);
+    const int* table = block_tables + (i64)g_row[gi] * max_blocks_per_row;
+    const bf16_t* kv_h = kv + kvh * D_QK;
+    const int g = lane >> 2, qd = lane & 3;
+    const int mi = lane >> 3, rr = lane & 7;
+    const float sl2 = scale * LOG2E;
+    const int wr = warp * 8;  // this warp's first row in the chunk
+    // Warp-uniform: a warp past the chunk's live rows still copies and meets every barrier.
+    const bool live = wr < nrow;
+    const unsigned int tiles_s = smem_addr(tiles);
+
+#if QREG
+    // Qᵀ's B fragments straight from global memory: row g of this warp, dims 2qd, 2qd + 1
+    // (and + 8) of every k-step.
+    unsigned int qf[KSTEPS_QK][2];
+    {
+        const int r = wr + g;
+        const bool v = r < nrow;
+        const bf16_t* qrow = q;
+        if (v) {
+            const int R = row0 + r;
+            qrow = q + ((i64)(q0 + R / GROUP) * num_heads + kvh * GROUP + R % GROUP) * D_QK;
+        }
+#pragma unroll
+        for (int k = 0; k < KSTEPS_QK; ++k) {
+            qf[k][0] = v ? *reinterpret_cast<const unsigned int*>(qrow + 16 * k + 2 * qd) : 0u;
+            qf[k][1] = v ? *reinterpret_cast<const unsigned int*>(qrow + 16 * k + 8 + 2 * qd) : 0u;
+        }
+    }
+#else
+    bf16_t* qs = tiles + STAGES * TK * ROWP;  // [SROWS][ROWP]; read after the first barrier
+    for (int i = tid; i < SROWS * NCH16; i += THREADS) {
+        const int r = i / NCH16, c = i - (i / NCH16) * NCH16;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < nrow) {
+            const int R = row0 + r;
+            v = *reinterpret_cast<const uint4*>(
+                q + ((i64)(q0 + R / GROUP) * num_heads + kvh * GROUP + R % GROUP) * D_QK + c * 8);
+        }
+        *reinterpret_cast<uint4*>(qs + r * ROWP + c * 8) = v;
+    }
+    const unsigned int qs_s = smem_addr(qs);
+#endif
+
+    // Key limit (exclusive) of this lane's two rows wr + 2qd (+ 1): causal inside the group;
+    // padding rows see the whole split (their Q is zero and their output is never written).
+    int lim[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int r = wr + 2 * qd + c;
+        lim[c] = r < nrow ? min(s1, end - (qn - 1 - (row0 + r) / GROUP)) : s1;
+    }
+
+    auto blocks_of = [&](int ts, int& pa, int& pb) {
+        const int b0 = ts / block_size, o0 = ts - b0 * block_size;
+        pa = table[b0];
+        pb = (o0 + TK > block_size && (b0 + 1) * block_size < s1) ? table[b0 + 1] : pa;
+    };
+    auto issue = [&](int ts, int stage, int pa, int pb) {
+        const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
+        const int o0 = ts % block_size;
+#pragma unroll
+        for (int j = 0; j < (TK * NCH16 + THREADS - 1) / THREADS; ++j) {
+            const int f = tid + THREADS * j;
+            if ((TK * NCH16) % THREADS == 0 || f < TK * NCH16) {
+                const int kk = f / NCH16, c = f - (f / NCH16) * NCH16;
+                const int t = ts + kk;
+                const bf16_t* src = kv_h;
+                int bytes = 0;
+                if (t < s1) {
+                    const int o = o0 + kk;
+                    const int phys = o < block_size ? pa : pb;
+                    const int slot = o < block_size ? o : o - block_size;
+                    src = kv_h + (i64)phys * block_stride + (i64)slot * row_stride + c * 8;
+                    bytes = 16;
+                }
+                cp_async16(base + (kk * ROWP + c * 8) * 2, src, bytes);  // zero-fill past the split
+            }
+        }
+    };
+
+    // Oᵀ: dims 16 i + g (+ 8) x rows wr + 2qd (+ 1).
+    float o[NDT][4];
+#pragma unroll
+    for (int i = 0; i < NDT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][e] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    const int ntiles = (s1 - s0 + TK - 1) / TK;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < ntiles) {
+            int pa, pb;
+            blocks_of(s0 + st * TK, pa, pb);
+            issue(s0 + st * TK, st, pa, pb);
+        }
+        asm volatile("cp.async.commit_group;");
+    }
+    int npa = 0, npb = 0;  // block ids of the next tile to issue
+    if (STAGES - 1 < ntiles) blocks_of(s0 + (STAGES - 1) * TK, npa, npb);
+    for (int it = 0; it < ntiles; ++it) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
+        // Tile `it` has landed for every thread and every warp is done with tile it - 1, whose
+        // stage is refilled now: the one barrier per tile.
+        __syncthreads();
+        {
+            const int nt = it + STAGES - 1;
+            if (nt < ntiles) issue(s0 + nt * TK, nt % STAGES, npa, npb);
+            asm volatile("cp.async.commit_group;");
+            if (nt + 1 < ntiles) blocks_of(s0 + (nt + 1) * TK, npa, npb);
+        }
+        if (!live) continue;
+        const unsigned int buf = tiles_s + (it % STAGES) * (TK * ROWP * 2);
+        const int tb = s0 + it * TK;
+
+        // Sᵀ = K · Qᵀ: the fragments of QG k-steps are loaded before their MMAs (the inline
+        // assembly is volatile and keeps program order), and the k-steps rotate over SACC
+        // accumulators.
+        float sa[SACC][NMT][4];
+#pragma unroll
+        for (int a = 0; a < SACC; ++a)
+#pragma unroll
+            for (int mt = 0; mt < NMT; ++mt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sa[a][mt][e] = 0.f;
+#pragma unroll
+        for (int g0 = 0; g0 < KSTEPS_QK; g0 += QG) {
+            unsigned int kf[QG][NMT][4];
+            unsigned int qb[QG][2];
+#pragma unroll
+            for (int j = 0; j < QG; ++j) {
+                const int k = g0 + j;
+#pragma unroll
+                for (int mt = 0; mt < NMT; ++mt)
+                    ldsm_x4(buf + ((mt * 16 + 8 * (mi & 1) + rr) * ROWP + 16 * k + 8 * (mi >> 1)) * 2, kf[j][mt][0],
+                            kf[j][mt][1], kf[j][mt][2], kf[j][mt][3]);
+#if QREG
+                qb[j][0] = qf[k][0];
+                qb[j][1] = qf[k][1];
+#else
+                if ((j & 1) == 0)
+                    ldsm_x4(qs_s + ((wr + rr) * ROWP + 16 * k + 8 * mi) * 2, qb[j][0], qb[j][1], qb[j + 1][0],
+                            qb[j + 1][1]);
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < QG; ++j)
+#pragma unroll
+                for (int mt = 0; mt < NMT; ++mt)
+                    mma16816(sa[(g0 + j) % SACC][mt], kf[j][mt][0], kf[j][mt][1], kf[j][mt][2], kf[j][mt][3],
+                             qb[j][0], qb[j][1]);
+        }
+        float s[NMT][4];
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int mt = 0; mt < NMT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = sa[0][mt][e];
+#pragma unroll
+                for (int a = 1; a < SACC; ++a) v += sa[a][mt][e];
+                // key tb + mt * 16 + g (+ 8 for e >= 2), row wr + 2qd + (e & 1)
+                const int t = tb + mt * 16 + g + 8 * (e >> 1);
+                v = t < lim[e & 1] ? v * sl2 : -INFINITY;
+                s[mt][e] = v;
+                mx[e & 1] = fmaxf(mx[e & 1], v);
+            }
+        float base[2], corr[2], psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int x = 4; x <= 16; x <<= 1) mx[c] = fmaxf(mx[c], __shfl_xor_sync(0xffffffffu, mx[c], x));
+            const float mn = fmaxf(m[c], mx[c]);
+            base[c] = mn == -INFINITY ? 0.f : mn;
+            corr[c] = exp2f(m[c] - base[c]);
+            m[c] = mn;
+        }
+#pragma unroll
+        for (int mt = 0; mt < NMT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[mt][e] = exp2f(s[mt][e] - base[e & 1]);
+                psum[e & 1] += s[mt][e];
+            }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) l[c] = l[c] * corr[c] + psum[c];  // this lane's keys only
+        // The correction is exactly 1 when no row's max moved, the common case after a few
+        // tiles; the vote keeps the branch uniform across the warp.
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+            for (int i = 0; i < NDT; ++i) {
+                o[i][0] *= corr[0];
+                o[i][1] *= corr[1];
+                o[i][2] *= corr[0];
+                o[i][3] *= corr[1];
+            }
+        }
+        // Pᵀ's B fragments: keys 2qd, 2qd + 1 (+ 8) of row g, by transposing the packed
+        // accumulator tiles (key g, rows 2qd, 2qd + 1).
+        unsigned int pb[NMT][2];
+#pragma unroll
+        for (int mt = 0; mt < NMT; ++mt) {
+            pb[mt][0] = movm_t(pack_bf16x2(s[mt][0], s[mt][1]));
+            pb[mt][1] = movm_t(pack_bf16x2(s[mt][2], s[mt][3]));
+        }
+        // Oᵀ += Vᵀ · Pᵀ, 16 keys per k-step, VG dim tiles' fragments loaded before their MMAs.
+#pragma unroll
+        for (int mt = 0; mt < NMT; ++mt)
+#pragma unroll
+            for (int i0 = 0; i0 < NDT; i0 += VG) {
+                unsigned int vf[VG][4];
+#pragma unroll
+                for (int j = 0; j < VG; ++j)
+                    ldsm_x4_t(buf + ((mt * 16 + 8 * (mi >> 1) + rr) * ROWP + 16 * (i0 + j) + 8 * (mi & 1)) * 2,
+                              vf[j][0], vf[j][1], vf[j][2], vf[j][3]);
+#pragma unroll
+                for (int j = 0; j < VG; ++j)
+                    mma16816(o[i0 + j], vf[j][0], vf[j][1], vf[j][2], vf[j][3], pb[mt][0], pb[mt][1]);
+            }
+    }
+    asm volatile("cp.async.wait_group 0;");
+    if (!live) return;
+    // Row sums over the lanes of equal qd (each lane summed keys g and g + 8 of every tile).
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int x = 4; x <= 16; x <<= 1) l[c] += __shfl_xor_sync(0xffffffffu, l[c], x);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int r = wr + 2 * qd + c;
+        if (r >= nrow) continue;
+        const int R = row0 + r;
+        const i64 slot = ((i64)(q0 + R / GROUP) * num_heads + kvh * GROUP + R % GROUP) * max_splits + split;
+        if (g == 0) {
+            part_m[slot] = m[c] * LN2;  // back to the natural-log domain of the reduce
+            part_l[slot] = l[c];
+        }
+        float* dst = part_acc + slot * D_V + g;
+#pragma unroll
+        for (int i = 0; i < NDT; ++i) {
+            dst[16 * i] = o[i][c];
+            dst[16 * i + 8] = o[i][2 + c];
+        }
+    }
+}
+#endif  // SWAPPED
 
 // Merges the split partials of each (query row, head): grid (rows, heads), any block size.
 extern "C" __global__ void mla_reduce(const int* __restrict__ kv_start, const int* __restrict__ kv_end,
