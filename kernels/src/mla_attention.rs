@@ -169,15 +169,7 @@ impl MlaConfig {
                 )
             },
         )?;
-        ensure(shape.d_qk.is_multiple_of(32), || {
-            format!("d_qk = {} must be a multiple of 32", shape.d_qk)
-        })?;
-        ensure(shape.block_size >= self.keys_per_tile, || {
-            format!(
-                "block_size = {} must hold a whole tile of {} keys",
-                shape.block_size, self.keys_per_tile
-            )
-        })?;
+        self.validate_rows_and_blocks(shape)?;
         ensure(self.stages >= 2 && (1..=4).contains(&self.m_tiles), || {
             "stages must be >= 2 and m_tiles in 1..=4".into()
         })?;
@@ -192,15 +184,7 @@ impl MlaConfig {
         ensure(acc <= 128, || {
             format!("{self:?} needs {acc} output registers per lane (at most 128)")
         })?;
-        ensure(
-            self.smem_bytes(shape) * self.min_blocks <= MAX_DYNAMIC_SMEM,
-            || {
-                format!(
-                    "{self:?} needs {} B of shared memory per CTA (limit {MAX_DYNAMIC_SMEM} per SM)",
-                    self.smem_bytes(shape)
-                )
-            },
-        )
+        self.validate_shared_memory(shape)
     }
 
     fn validate_swapped(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
@@ -225,6 +209,16 @@ impl MlaConfig {
                 )
             },
         )?;
+        self.validate_rows_and_blocks(shape)?;
+        ensure(self.stages >= 2, || "stages must be >= 2".into())?;
+        ensure((1..=8).contains(&self.min_blocks), || {
+            "min_blocks must be in 1..=8".into()
+        })?;
+        self.validate_shared_memory(shape)
+    }
+
+    /// The checks both kernels share: a key row of whole 32-dim chunks, tiles inside a block.
+    fn validate_rows_and_blocks(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
         ensure(shape.d_qk.is_multiple_of(32), || {
             format!("d_qk = {} must be a multiple of 32", shape.d_qk)
         })?;
@@ -234,10 +228,11 @@ impl MlaConfig {
                 shape.block_size, self.keys_per_tile
             )
         })?;
-        ensure(self.stages >= 2, || "stages must be >= 2".into())?;
-        ensure((1..=8).contains(&self.min_blocks), || {
-            "min_blocks must be in 1..=8".into()
-        })?;
+        Ok(())
+    }
+
+    /// `min_blocks` CTAs of this variant fit in one SM's shared memory.
+    fn validate_shared_memory(&self, shape: &PagedAttentionShape) -> Result<(), KernelError> {
         ensure(
             self.smem_bytes(shape) * self.min_blocks <= MAX_DYNAMIC_SMEM,
             || {
