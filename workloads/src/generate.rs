@@ -7,18 +7,17 @@
 //! execution for agents, the user for chat), so a turn never arrives before its predecessor's
 //! output exists. Each session draws from its own RNG stream (seeded from the run seed, the
 //! class and the session index), so changing the number of sessions does not change the others.
+//! Sessions may come back after hours or days ([`Revisits`]) and continue their context.
+//!
+//! The requests are drawn by [`crate::stream::Stream`], one at a time in trace order; a
+//! [`Trace`] is that stream collected.
 
 use crate::dist::Dist;
+use crate::stream::Stream;
+pub use crate::visit::Revisits;
 use crate::{MAX_GENERATED_REQUESTS, Trace};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use servelab_core::content::hash2;
-use servelab_core::seed::sub_seed;
-use servelab_core::{
-    ChainBuilder, ConfigError, Nanos, Request, RequestId, SegmentId, SessionId, TrafficClass,
-};
-use std::sync::Arc;
+use servelab_core::{ConfigError, Nanos};
 
 /// Which workloads to generate and how. Absent sections generate nothing.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -82,7 +81,7 @@ impl Default for Pacing {
 }
 
 impl Pacing {
-    fn service(&self, output_tokens: u32) -> f64 {
+    pub(crate) fn service(&self, output_tokens: u32) -> f64 {
         self.ttft_s + f64::from(output_tokens) / self.decode_tokens_per_s
     }
     fn validate(&self, field: &str) -> Result<(), ConfigError> {
@@ -124,6 +123,9 @@ pub struct AgentConfig {
     pub compaction: Option<Compaction>,
     #[serde(default)]
     pub pacing: Pacing,
+    /// Tasks the session comes back with later (absent: never).
+    #[serde(default)]
+    pub revisits: Option<Revisits>,
 }
 
 /// Context compaction: the context is replaced by the system prompt and a shorter summary.
@@ -153,6 +155,9 @@ pub struct ChatConfig {
     pub think_time_s: Dist,
     #[serde(default)]
     pub pacing: Pacing,
+    /// The user coming back to the conversation later (absent: never).
+    #[serde(default)]
+    pub revisits: Option<Revisits>,
 }
 
 /// Fresh documents: single requests over a long document, some of which repeat earlier ones.
@@ -201,6 +206,9 @@ impl WorkloadConfig {
             a.tool_result_tokens.validate(&f("tool_result_tokens"))?;
             a.think_time_s.validate(&f("think_time_s"))?;
             a.pacing.validate(&f("pacing"))?;
+            if let Some(r) = &a.revisits {
+                r.validate(&f("revisits"))?;
+            }
             if let Some(c) = &a.compaction {
                 c.summary_tokens.validate(&f("compaction.summary_tokens"))?;
                 probability(c.probability, &f("compaction.probability"))?;
@@ -220,6 +228,9 @@ impl WorkloadConfig {
             c.reply_tokens.validate(&f("reply_tokens"))?;
             c.think_time_s.validate(&f("think_time_s"))?;
             c.pacing.validate(&f("pacing"))?;
+            if let Some(r) = &c.revisits {
+                r.validate(&f("revisits"))?;
+            }
         }
         if let Some(d) = &self.documents {
             let f = |n: &str| format!("workload.documents.{n}");
@@ -276,415 +287,31 @@ fn probability(v: f64, field: &str) -> Result<(), ConfigError> {
     }
 }
 
-/// A request before ids are assigned.
-struct Draft {
-    session: Option<u64>,
-    turn: u32,
-    class: TrafficClass,
-    arrival: Nanos,
-    prompt_tokens: u32,
-    output_tokens: u32,
-    content: Arc<servelab_core::ContentChain>,
-}
-
-/// Generates the configured workloads into one trace, keyed at `block_tokens`.
+/// Generates the configured workloads into one trace, keyed at `block_tokens`: the
+/// [`Stream`] of the config, collected (refused past [`MAX_GENERATED_REQUESTS`] requests or
+/// [`crate::MAX_TRACE_BLOCKS`] block keys, so no config can ask for unbounded work).
 pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Trace, ConfigError> {
-    cfg.validate()?;
-    if block_tokens == 0 {
-        return Err(ConfigError::invalid(
-            "constants.block_tokens",
-            "must be positive",
-        ));
-    }
-    let mut out = Out::default();
-    let mut next_session = 0u64;
-    if let Some(a) = &cfg.agent {
-        gen_agent(
-            a,
-            sub_seed(seed, "workload.agent"),
-            block_tokens,
-            cfg.diurnal.as_ref(),
-            &mut next_session,
-            &mut out,
-        )?;
-    }
-    if let Some(c) = &cfg.chat {
-        gen_chat(
-            c,
-            sub_seed(seed, "workload.chat"),
-            block_tokens,
-            cfg.diurnal.as_ref(),
-            &mut next_session,
-            &mut out,
-        )?;
-    }
-    if let Some(d) = &cfg.documents {
-        gen_documents(
-            d,
-            sub_seed(seed, "workload.documents"),
-            block_tokens,
-            cfg.diurnal.as_ref(),
-            &mut out,
-        )?;
-    }
-    let mut drafts = out.drafts;
-    // Ids follow arrival order; ties by class, session and turn, so they are stable.
-    drafts.sort_by_key(|d| (d.arrival, d.class, d.session, d.turn));
-    let requests = drafts
-        .into_iter()
-        .enumerate()
-        .map(|(i, d)| Request {
-            id: RequestId(i as u64),
-            session: d.session.map(SessionId),
-            class: d.class,
-            arrival: d.arrival,
-            prompt_tokens: d.prompt_tokens,
-            output_tokens: d.output_tokens,
-            content: d.content,
-        })
-        .collect();
-    Ok(Trace::new(block_tokens, requests))
-}
-
-/// What the generators emit, and what it costs: refused past [`MAX_GENERATED_REQUESTS`]
-/// requests or [`crate::MAX_TRACE_BLOCKS`] block keys, so no config can ask for unbounded work.
-#[derive(Default)]
-struct Out {
-    drafts: Vec<Draft>,
-    blocks: crate::BlockBudget,
-}
-
-impl Out {
-    fn push(&mut self, d: Draft, field: &str) -> Result<(), ConfigError> {
-        if self.drafts.len() as u64 >= MAX_GENERATED_REQUESTS {
+    let mut stream = Stream::new(cfg, seed, block_tokens, None)?.with_block_budget();
+    let mut requests = Vec::new();
+    while let Some(r) = stream.next_request()? {
+        if requests.len() as u64 >= MAX_GENERATED_REQUESTS {
             return Err(ConfigError::invalid(
-                field,
+                "workload",
                 format!(
                     "the workload makes more than {MAX_GENERATED_REQUESTS} requests: lower the \
-                     sessions, requests or turns"
+                     sessions, requests, turns or returns"
                 ),
             ));
         }
-        self.drafts.push(d);
-        Ok(())
+        requests.push(r);
     }
-    fn charge(
-        &mut self,
-        chain: &servelab_core::ContentChain,
-        field: &str,
-    ) -> Result<(), ConfigError> {
-        self.blocks
-            .charge(chain)
-            .map_err(|e| ConfigError::invalid(field, e))
-    }
-}
-
-/// A generated time, refused past the horizon (a tiny rate or a long think time would
-/// otherwise saturate, and a saturated time breaks every TTL).
-fn arrival(t_s: f64, field: &str) -> Result<Nanos, ConfigError> {
-    Nanos::try_from_secs_f64(t_s).map_err(|e| {
-        ConfigError::invalid(
-            field,
-            format!("a generated arrival at {e}: raise the rate or shorten the think times"),
-        )
-    })
-}
-
-/// Appends a segment, refusing a context past what a chain holds.
-fn push_segment(
-    chain: &mut ChainBuilder,
-    id: SegmentId,
-    tokens: u32,
-    field: &str,
-) -> Result<(), ConfigError> {
-    chain.try_push(id, tokens).map(|_| ()).map_err(|e| {
-        ConfigError::invalid(
-            field,
-            format!("{e}: the token distributions draw a context that long"),
-        )
-    })
-}
-
-/// Session start times: a Poisson process from its own stream.
-fn poisson_starts(n: u32, rate_per_s: f64, seed: u64, diurnal: Option<&Diurnal>) -> Vec<f64> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let peak = 1.0 + diurnal.map_or(0.0, |d| d.amplitude);
-    let exp = Dist::Exponential {
-        mean: 1.0 / (rate_per_s * peak),
-    };
-    let mut t = 0.0;
-    let mut starts = Vec::with_capacity(n as usize);
-    while starts.len() < n as usize {
-        t += exp.sample(&mut rng);
-        // Thinning: keep a candidate with probability rate(t) / peak rate.
-        let keep = diurnal.is_none_or(|d| rng.random::<f64>() * peak < d.factor(t));
-        if keep {
-            starts.push(t);
-        }
-    }
-    starts
-}
-
-fn fresh(rng: &mut ChaCha8Rng) -> SegmentId {
-    SegmentId(rng.random())
-}
-
-/// One growing context: turns are recorded as (prompt, output) lengths until the epoch's chain
-/// is frozen, then emitted as requests sharing it.
-struct Epoch {
-    chain: ChainBuilder,
-    turns: Vec<(u32, u32, Nanos, u32)>, // prompt, output, arrival, turn index
-    /// The config section, for errors.
-    field: &'static str,
-}
-
-impl Epoch {
-    fn new(block_tokens: u32, field: &'static str) -> Self {
-        Epoch {
-            chain: ChainBuilder::new(block_tokens),
-            turns: Vec::new(),
-            field,
-        }
-    }
-    fn push(&mut self, id: SegmentId, tokens: u32) -> Result<(), ConfigError> {
-        push_segment(&mut self.chain, id, tokens, self.field)
-    }
-    fn turn(&mut self, prompt: u32, reply: u32, t_s: f64, turn: u32) -> Result<(), ConfigError> {
-        let at = arrival(t_s, self.field)?;
-        self.turns.push((prompt, reply, at, turn));
-        Ok(())
-    }
-    fn flush(self, session: u64, class: TrafficClass, out: &mut Out) -> Result<(), ConfigError> {
-        let chain = self.chain.finish();
-        out.charge(&chain, self.field)?;
-        let content = Arc::new(chain);
-        for (p, o, arrival, turn) in self.turns {
-            out.push(
-                Draft {
-                    session: Some(session),
-                    turn,
-                    class,
-                    arrival,
-                    prompt_tokens: p,
-                    output_tokens: o,
-                    content: content.clone(),
-                },
-                self.field,
-            )?;
-        }
-        Ok(())
-    }
-}
-
-/// System prompt lengths are a property of the prompt, not of the session: drawn once per
-/// prompt from their own stream.
-fn system_prompt_lengths(n: u32, dist: &Dist, seed: u64) -> Vec<u32> {
-    let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0x5c));
-    (0..n).map(|_| dist.tokens(&mut rng, 1)).collect()
-}
-
-fn system_segment(tag: &str, k: u64) -> SegmentId {
-    SegmentId(hash2(sub_seed(0, tag), k))
-}
-
-/// What every session starts with: its id, its own RNG stream, its system prompt (pushed as the
-/// first segment of its first epoch) and its number of turns.
-struct SessionStart {
-    session: u64,
-    rng: ChaCha8Rng,
-    sys: usize,
-    turns: u32,
-    epoch: Epoch,
-}
-
-impl SessionStart {
-    fn new(
-        seed: u64,
-        index: usize,
-        next_session: &mut u64,
-        turns: &Dist,
-        system_tag: &str,
-        sys_len: &[u32],
-        mut epoch: Epoch,
-    ) -> Result<Self, ConfigError> {
-        let session = *next_session;
-        *next_session += 1;
-        let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, index as u64));
-        let sys = rng.random_range(0..sys_len.len() as u32) as usize;
-        let turns = turns.tokens(&mut rng, 1);
-        epoch.push(system_segment(system_tag, sys as u64), sys_len[sys])?;
-        Ok(SessionStart {
-            session,
-            rng,
-            sys,
-            turns,
-            epoch,
-        })
-    }
-}
-
-fn gen_agent(
-    c: &AgentConfig,
-    seed: u64,
-    bs: u32,
-    diurnal: Option<&Diurnal>,
-    next_session: &mut u64,
-    out: &mut Out,
-) -> Result<(), ConfigError> {
-    const F: &str = "workload.agent";
-    let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
-    let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
-    for (si, &start) in starts.iter().enumerate() {
-        let SessionStart {
-            session,
-            mut rng,
-            sys,
-            turns,
-            mut epoch,
-        } = SessionStart::new(
-            seed,
-            si,
-            next_session,
-            &c.turns,
-            "agent.system",
-            &sys_len,
-            Epoch::new(bs, F),
-        )?;
-        epoch.push(fresh(&mut rng), c.task_tokens.tokens(&mut rng, 1))?;
-        let mut t = start;
-        for turn in 0..turns {
-            let prompt = epoch.chain.total_tokens();
-            let reply = c.reply_tokens.tokens(&mut rng, 1);
-            epoch.turn(prompt, reply, t, turn)?;
-            epoch.push(fresh(&mut rng), reply)?;
-            t += c.pacing.service(reply) + c.think_time_s.sample(&mut rng);
-            if turn + 1 == turns {
-                break;
-            }
-            let tool = c.tool_result_tokens.tokens(&mut rng, 1);
-            let compact = c.compaction.as_ref().is_some_and(|k| {
-                epoch.chain.total_tokens().saturating_add(tool) > k.above_tokens
-                    || (k.probability > 0.0 && rng.random_bool(k.probability))
-            });
-            if let (true, Some(k)) = (compact, c.compaction.as_ref()) {
-                let summary = k.summary_tokens.tokens(&mut rng, 1);
-                let old = std::mem::replace(&mut epoch, Epoch::new(bs, F));
-                old.flush(session, TrafficClass::Agent, out)?;
-                epoch.push(system_segment("agent.system", sys as u64), sys_len[sys])?;
-                epoch.push(fresh(&mut rng), summary)?;
-            }
-            epoch.push(fresh(&mut rng), tool)?;
-        }
-        epoch.flush(session, TrafficClass::Agent, out)?;
-    }
-    Ok(())
-}
-
-fn gen_chat(
-    c: &ChatConfig,
-    seed: u64,
-    bs: u32,
-    diurnal: Option<&Diurnal>,
-    next_session: &mut u64,
-    out: &mut Out,
-) -> Result<(), ConfigError> {
-    const F: &str = "workload.chat";
-    let starts = poisson_starts(c.sessions, c.session_rate_per_s, hash2(seed, 0xa5), diurnal);
-    let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
-    for (si, &start) in starts.iter().enumerate() {
-        let SessionStart {
-            session,
-            mut rng,
-            turns,
-            mut epoch,
-            ..
-        } = SessionStart::new(
-            seed,
-            si,
-            next_session,
-            &c.turns,
-            "chat.system",
-            &sys_len,
-            Epoch::new(bs, F),
-        )?;
-        let mut t = start;
-        for turn in 0..turns {
-            epoch.push(fresh(&mut rng), c.user_tokens.tokens(&mut rng, 1))?;
-            let prompt = epoch.chain.total_tokens();
-            let reply = c.reply_tokens.tokens(&mut rng, 1);
-            epoch.turn(prompt, reply, t, turn)?;
-            epoch.push(fresh(&mut rng), reply)?;
-            t += c.pacing.service(reply) + c.think_time_s.sample(&mut rng);
-        }
-        epoch.flush(session, TrafficClass::Chat, out)?;
-    }
-    Ok(())
-}
-
-fn gen_documents(
-    c: &DocumentConfig,
-    seed: u64,
-    bs: u32,
-    diurnal: Option<&Diurnal>,
-    out: &mut Out,
-) -> Result<(), ConfigError> {
-    const F: &str = "workload.documents";
-    let starts = poisson_starts(c.requests, c.rate_per_s, hash2(seed, 0xa5), diurnal);
-    let sys_len = system_prompt_lengths(c.system_prompts, &c.system_prompt_tokens, seed);
-    // Documents seen so far: (segment, tokens, system prompt it was sent with).
-    let mut seen: Vec<(SegmentId, u32, usize)> = Vec::new();
-    let mut rng = ChaCha8Rng::seed_from_u64(hash2(seed, 0xd0));
-    for (i, &start) in starts.iter().enumerate() {
-        let repeat = !seen.is_empty() && rng.random_bool(c.repeat_probability);
-        let (doc, doc_len, sys) = if repeat {
-            seen[rng.random_range(0..seen.len())]
-        } else {
-            let d = (
-                fresh(&mut rng),
-                c.document_tokens.tokens(&mut rng, 1),
-                rng.random_range(0..c.system_prompts) as usize,
-            );
-            seen.push(d);
-            d
-        };
-        let mut chain = ChainBuilder::new(bs);
-        push_segment(
-            &mut chain,
-            system_segment("documents.system", sys as u64),
-            sys_len[sys],
-            F,
-        )?;
-        push_segment(&mut chain, doc, doc_len, F)?;
-        push_segment(
-            &mut chain,
-            fresh(&mut rng),
-            c.question_tokens.tokens(&mut rng, 1),
-            F,
-        )?;
-        let prompt = chain.total_tokens();
-        let answer = c.answer_tokens.tokens(&mut rng, 1);
-        push_segment(&mut chain, fresh(&mut rng), answer, F)?;
-        let chain = chain.finish();
-        out.charge(&chain, F)?;
-        out.push(
-            Draft {
-                session: None,
-                turn: i as u32,
-                class: TrafficClass::Other,
-                arrival: arrival(start, F)?,
-                prompt_tokens: prompt,
-                output_tokens: answer,
-                content: Arc::new(chain),
-            },
-            F,
-        )?;
-    }
-    Ok(())
+    Ok(Trace::new(block_tokens, requests))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use servelab_core::{Request, SessionId};
 
     fn u(min: f64, max: f64) -> Dist {
         Dist::Uniform { min, max }
@@ -706,6 +333,7 @@ mod tests {
             think_time_s: fixed(2.0),
             compaction: None,
             pacing: Pacing::default(),
+            revisits: None,
         }
     }
 
@@ -781,6 +409,7 @@ mod tests {
                 reply_tokens: u(50.0, 400.0),
                 think_time_s: Dist::Exponential { mean: 30.0 },
                 pacing: Pacing::default(),
+                revisits: None,
             }),
             documents: Some(DocumentConfig {
                 requests: 10,
@@ -815,45 +444,6 @@ mod tests {
         assert_ne!(sig(&a), sig(&c));
         assert_eq!(a.len(), 15 + 32 + 10);
         assert!(a.requests.windows(2).all(|w| w[0].arrival <= w[1].arrival));
-    }
-
-    #[test]
-    fn diurnal_thinning_follows_the_rate() {
-        let d = Diurnal {
-            amplitude: 0.8,
-            period: Nanos::from_secs(1000),
-            peak_at: Nanos::from_secs(250),
-        };
-        let starts = poisson_starts(20_000, 10.0, 3, Some(&d));
-        assert_eq!(starts.len(), 20_000);
-        // Mean rate preserved: 20,000 arrivals at 10/s take about 2,000 s.
-        let span = starts[starts.len() - 1];
-        assert!((1800.0..2200.0).contains(&span), "span {span}");
-        // Peak quarter (around 250 s mod 1000) holds far more than the trough (around 750 s).
-        let count = |lo: f64, hi: f64| {
-            starts
-                .iter()
-                .filter(|&&t| (lo..hi).contains(&(t % 1000.0)))
-                .count()
-        };
-        let (peak, trough) = (count(125.0, 375.0), count(625.0, 875.0));
-        assert!(
-            peak as f64 > 3.0 * trough as f64,
-            "peak {peak} trough {trough}"
-        );
-        let bad = WorkloadConfig {
-            diurnal: Some(Diurnal {
-                amplitude: 1.5,
-                ..d
-            }),
-            ..Default::default()
-        };
-        assert!(
-            bad.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("amplitude")
-        );
     }
 
     /// Issue 16: a document longer than 2^32 tokens with its system prompt used to wrap to a

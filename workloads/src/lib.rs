@@ -12,6 +12,8 @@ pub mod dist;
 pub mod generate;
 pub mod mooncake;
 pub mod native;
+pub mod stream;
+mod visit;
 
 /// The longest trace line read (16 MiB); a longer one is an error, so a file with no line
 /// ends (`/dev/zero`) cannot take the machine's memory.
