@@ -68,6 +68,17 @@ impl RunOutput {
 
     /// Writes `manifest.json` listing every file written so far.
     pub fn write_manifest(&mut self, m: &Manifest) -> Result<()> {
+        self.write_manifest_with_speed(m, serde_json::Value::Null)
+    }
+
+    /// [`Self::write_manifest`] with the run's speed figures (simulated time ÷ wall time,
+    /// requests per wall-second) in its `run` section, beside the other facts that differ
+    /// between two runs of the same inputs.
+    pub fn write_manifest_with_speed(
+        &mut self,
+        m: &Manifest,
+        speed: serde_json::Value,
+    ) -> Result<()> {
         #[derive(Serialize)]
         struct Full<'a> {
             #[serde(flatten)]
@@ -76,10 +87,12 @@ impl RunOutput {
             /// Everything here differs between two runs of the same inputs.
             run: RunRecord,
         }
+        let mut run = RunRecord::now();
+        run.speed = speed;
         let text = serde_json::to_string_pretty(&Full {
             m,
             files: &self.files,
-            run: RunRecord::now(),
+            run,
         })?;
         let p = self.dir.join("manifest.json");
         fs::write(&p, text + "\n").with_context(|| format!("writing {}", p.display()))
@@ -251,6 +264,8 @@ struct RunRecord {
     started_at: String,
     wall_s: f64,
     host: Host,
+    #[serde(skip_serializing_if = "serde_json::Value::is_null")]
+    speed: serde_json::Value,
 }
 
 #[derive(Serialize)]
@@ -276,6 +291,7 @@ impl RunRecord {
                 cpu: cpu_model(),
                 cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
             },
+            speed: serde_json::Value::Null,
         }
     }
 }

@@ -162,7 +162,7 @@ pub fn replay(
         if group.is_empty() {
             continue;
         }
-        let r = Pass::new(cfg, &group, group[0] == HitPolicy::SwaOnSsd)?.run(trace);
+        let r = ReplayPass::with(cfg, &group, group[0] == HitPolicy::SwaOnSsd)?.run(trace);
         match &mut report {
             None => report = Some(r),
             Some(rep) => rep.per_policy.extend(r.per_policy),
@@ -170,7 +170,7 @@ pub fn replay(
     }
     let mut rep = match report {
         Some(r) => r,
-        None => Pass::new(cfg, &[], false)?.run(trace),
+        None => ReplayPass::with(cfg, &[], false)?.run(trace),
     };
     // Restore the caller's order.
     rep.per_policy
@@ -178,29 +178,80 @@ pub fn replay(
     Ok(rep)
 }
 
-enum Pending {
-    Output(usize),
+/// A request whose outputs (and end-of-decode SWA state) are written at `at`.
+struct PendingOutput {
+    at: Nanos,
+    seq: u64,
+    req: Request,
 }
 
-struct Pass<'a> {
+impl PartialEq for PendingOutput {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+impl Eq for PendingOutput {}
+impl PartialOrd for PendingOutput {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for PendingOutput {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+/// What one request found in a replay.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestHits {
+    /// Tokens of the leading run of full blocks found in the store.
+    pub cached_block_tokens: u32,
+    /// Tokens of the longest prefix seen before (a perfect cache).
+    pub perfect_hit_tokens: u32,
+}
+
+/// One replay pass, fed a request at a time in arrival order ([`Self::push`]): what
+/// [`replay`] runs over a trace, and what a stream of requests (days of them) runs through
+/// without holding them. Holds only the requests whose outputs are still to be written.
+pub struct ReplayPass<'a> {
     cfg: &'a ReplayConfig,
     policies: Vec<HitPolicy>,
     swa_in_store: bool,
     store: KvStore,
     swa: SwaCache,
     perfect: PerfectCache,
-    pending: BinaryHeap<Reverse<(Nanos, u64, usize)>>,
+    pending: BinaryHeap<Reverse<PendingOutput>>,
     seq: u64,
+    policy_hits: Vec<u32>,
     report: ReplayReport,
 }
 
-impl<'a> Pass<'a> {
-    fn new(
+impl<'a> ReplayPass<'a> {
+    /// A pass evaluating `policies`, which must all take their SWA state from the same
+    /// place (SWA-on-SSD keeps it in the store and needs a pass of its own).
+    pub fn new(cfg: &'a ReplayConfig, policies: &[HitPolicy]) -> Result<Self, ConfigError> {
+        cfg.validate()?;
+        let in_store = |p: &HitPolicy| p.swa_source() == SwaSource::BlockStore;
+        if policies.iter().any(in_store) && !policies.iter().all(in_store) {
+            return Err(ConfigError::invalid(
+                "policies",
+                "rules that keep SWA state in the store and rules that do not need separate passes",
+            ));
+        }
+        Self::with(
+            cfg,
+            policies,
+            policies.first() == Some(&HitPolicy::SwaOnSsd),
+        )
+    }
+
+    fn with(
         cfg: &'a ReplayConfig,
         policies: &[HitPolicy],
         swa_in_store: bool,
     ) -> Result<Self, ConfigError> {
-        Ok(Pass {
+        Ok(ReplayPass {
             cfg,
             policies: policies.to_vec(),
             swa_in_store,
@@ -209,6 +260,7 @@ impl<'a> Pass<'a> {
             perfect: PerfectCache::new(),
             pending: BinaryHeap::new(),
             seq: 0,
+            policy_hits: vec![0; policies.len()],
             report: ReplayReport {
                 per_policy: policies
                     .iter()
@@ -220,6 +272,22 @@ impl<'a> Pass<'a> {
                 ..Default::default()
             },
         })
+    }
+
+    pub fn store(&self) -> &KvStore {
+        &self.store
+    }
+
+    /// Moves the replay to `now` with no request: the outputs due by then are written and the
+    /// objects whose TTL passed are deleted (to read the store at a time of the caller's).
+    pub fn advance(&mut self, now: Nanos) {
+        self.apply_pending(now);
+        self.store.advance(now);
+    }
+
+    /// Hit tokens of the last request pushed, per policy (in the order given).
+    pub fn policy_hits(&self) -> &[u32] {
+        &self.policy_hits
     }
 
     fn machine_for(&self, req: &Request) -> MachineId {
@@ -248,91 +316,115 @@ impl<'a> Pass<'a> {
         }
     }
 
-    fn apply_pending(&mut self, trace: &Trace, upto: Nanos) {
-        while let Some(&Reverse((t, _, idx))) = self.pending.peek() {
-            if t > upto {
-                break;
-            }
-            self.pending.pop();
-            let Pending::Output(i) = Pending::Output(idx);
-            let req = &trace.requests[i];
+    /// Writes the outputs due by `upto`.
+    fn apply_pending(&mut self, upto: Nanos) {
+        while self.pending.peek().is_some_and(|p| p.0.at <= upto) {
+            let Reverse(PendingOutput { at: t, req, .. }) = self.pending.pop().expect("peeked");
             if self.cfg.cache_outputs {
                 self.store
                     .touch_or_insert(t, req.output_blocks(), req.class);
             }
-            self.store_swa(t, req, req.context_tokens());
-            self.perfect.record_output(req);
+            self.store_swa(t, &req, req.context_tokens());
+            self.perfect.record_output(&req);
         }
     }
 
-    fn run(mut self, trace: &Trace) -> ReplayReport {
+    /// Every rule's decision for `req`, added to its totals (and kept in [`Self::policy_hits`]).
+    fn decide_all(&mut self, req: &Request, input: HitInputs) {
         let c = &self.cfg.constants;
-        for (i, req) in trace.requests.iter().enumerate() {
-            let now = req.arrival;
-            self.apply_pending(trace, now);
-            let blocks = req.prompt_blocks();
-            let run = self.store.lookup_prefix(now, blocks);
-            let cached = run as u32 * c.block_tokens;
-            let perfect = self.perfect.hit_tokens(req);
-            let input = HitInputs {
-                prompt_tokens: req.prompt_tokens,
-                cached_block_tokens: cached,
-                perfect_hit_tokens: perfect,
-            };
-            let me = self.machine_for(req);
-            for (pi, &p) in self.policies.iter().enumerate() {
-                let mut holder = None;
-                let d = match p.swa_source() {
-                    SwaSource::HostCache => {
-                        let swa = &mut self.swa;
-                        p.decide(c, input, |pos| {
-                            holder = req.key_at(pos).and_then(|k| swa.lookup(now, k));
-                            holder.is_some()
-                        })
-                    }
-                    SwaSource::BlockStore => {
-                        let store = &mut self.store;
-                        p.decide(c, input, |pos| {
-                            req.key_at(pos)
-                                .is_some_and(|k| store.contains(now, Self::swa_object(k)))
-                        })
-                    }
-                    SwaSource::NotNeeded => p.decide(c, input, |_| false),
-                };
-                let t = &mut self.report.per_policy[pi];
-                t.hit_tokens += u64::from(d.hit_tokens);
-                t.encoder_tokens += u64::from(d.encoder_tokens);
-                t.encoder_replay_tokens += u64::from(d.encoder_replay_tokens);
-                t.decoder_tokens += u64::from(d.decoder_tokens);
-                t.layer_tokens += d.layer_tokens(c);
-                if d.swa_state_at.is_some() && holder.is_some_and(|m| m != me) {
-                    t.swa_cross_machine_pulls += 1;
+        let now = req.arrival;
+        let me = self.machine_for(req);
+        for (pi, &p) in self.policies.iter().enumerate() {
+            let mut holder = None;
+            let d = match p.swa_source() {
+                SwaSource::HostCache => {
+                    let swa = &mut self.swa;
+                    p.decide(c, input, |pos| {
+                        holder = req.key_at(pos).and_then(|k| swa.lookup(now, k));
+                        holder.is_some()
+                    })
                 }
-                *t.reasons.entry(format!("{:?}", d.reason)).or_default() += 1;
+                SwaSource::BlockStore => {
+                    let store = &mut self.store;
+                    p.decide(c, input, |pos| {
+                        req.key_at(pos)
+                            .is_some_and(|k| store.contains(now, Self::swa_object(k)))
+                    })
+                }
+                SwaSource::NotNeeded => p.decide(c, input, |_| false),
+            };
+            self.policy_hits[pi] = d.hit_tokens;
+            let t = &mut self.report.per_policy[pi];
+            t.hit_tokens += u64::from(d.hit_tokens);
+            t.encoder_tokens += u64::from(d.encoder_tokens);
+            t.encoder_replay_tokens += u64::from(d.encoder_replay_tokens);
+            t.decoder_tokens += u64::from(d.decoder_tokens);
+            t.layer_tokens += d.layer_tokens(c);
+            if d.swa_state_at.is_some() && holder.is_some_and(|m| m != me) {
+                t.swa_cross_machine_pulls += 1;
             }
-            let r = &mut self.report;
-            r.requests += 1;
-            r.input_tokens += u64::from(req.prompt_tokens);
-            r.output_tokens += u64::from(req.output_tokens);
-            r.baseline_layer_tokens += baseline_layer_tokens(c, req.prompt_tokens);
-            r.perfect_hit_tokens += u64::from(perfect);
-            r.cached_block_tokens += u64::from(cached);
-            r.prompt_blocks += blocks.len() as u64;
-            r.prompt_blocks_hit += run as u64;
-            // Every prompt block is touched or written; SWA state is stored after prefill.
-            self.store.touch_or_insert(now, blocks, req.class);
-            let prefill_done = now + Nanos::from_secs_f64(self.cfg.ttft_s);
-            self.store_swa(prefill_done.min(now), req, req.prompt_tokens);
-            self.perfect.record_prompt(req);
-            let decode_done = prefill_done
-                + Nanos::from_secs_f64(f64::from(req.output_tokens) / self.cfg.decode_tokens_per_s);
-            self.seq += 1;
-            self.pending.push(Reverse((decode_done, self.seq, i)));
+            *t.reasons.entry(format!("{:?}", d.reason)).or_default() += 1;
         }
-        self.apply_pending(trace, Nanos::MAX);
+    }
+
+    /// Replays one request (arrivals must not go back in time): what it found, then its
+    /// blocks touched or written and its outputs queued for the end of its decode.
+    pub fn push(&mut self, req: &Request) -> RequestHits {
+        let c = &self.cfg.constants;
+        let now = req.arrival;
+        self.apply_pending(now);
+        let blocks = req.prompt_blocks();
+        let run = self.store.lookup_prefix(now, blocks);
+        let cached = run as u32 * c.block_tokens;
+        let perfect = self.perfect.hit_tokens(req);
+        let input = HitInputs {
+            prompt_tokens: req.prompt_tokens,
+            cached_block_tokens: cached,
+            perfect_hit_tokens: perfect,
+        };
+        self.decide_all(req, input);
+        let c = &self.cfg.constants;
+        let r = &mut self.report;
+        r.requests += 1;
+        r.input_tokens += u64::from(req.prompt_tokens);
+        r.output_tokens += u64::from(req.output_tokens);
+        r.baseline_layer_tokens += baseline_layer_tokens(c, req.prompt_tokens);
+        r.perfect_hit_tokens += u64::from(perfect);
+        r.cached_block_tokens += u64::from(cached);
+        r.prompt_blocks += blocks.len() as u64;
+        r.prompt_blocks_hit += run as u64;
+        // Every prompt block is touched or written; SWA state is stored after prefill.
+        self.store.touch_or_insert(now, blocks, req.class);
+        let prefill_done = now + Nanos::from_secs_f64(self.cfg.ttft_s);
+        self.store_swa(prefill_done.min(now), req, req.prompt_tokens);
+        self.perfect.record_prompt(req);
+        let decode_done = prefill_done
+            + Nanos::from_secs_f64(f64::from(req.output_tokens) / self.cfg.decode_tokens_per_s);
+        self.seq += 1;
+        self.pending.push(Reverse(PendingOutput {
+            at: decode_done,
+            seq: self.seq,
+            req: req.clone(),
+        }));
+        RequestHits {
+            cached_block_tokens: cached,
+            perfect_hit_tokens: perfect,
+        }
+    }
+
+    /// Writes what is still pending and returns the totals.
+    pub fn finish(mut self) -> ReplayReport {
+        self.apply_pending(Nanos::MAX);
         self.report.store = self.store.stats().clone();
         self.report.swa = self.swa.stats().clone();
         self.report
+    }
+
+    fn run(mut self, trace: &Trace) -> ReplayReport {
+        for req in &trace.requests {
+            self.push(req);
+        }
+        self.finish()
     }
 }
 

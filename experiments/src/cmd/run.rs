@@ -56,6 +56,7 @@ pub fn dispatch(ctx: &exp::RunContext) -> Result<()> {
         "faults" => exp::faults::run(ctx),
         "plan" => exp::plan::run(ctx),
         "service" => exp::service::run(ctx),
+        "ttl-days" => exp::ttl_days::run(ctx),
         other => bail!(
             "{}: unknown experiment kind `{other}`{} (known: {})",
             ctx.config.path.display(),

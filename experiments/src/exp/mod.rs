@@ -13,6 +13,7 @@ pub mod faults;
 pub mod plan;
 pub mod service;
 pub mod trace_source;
+pub mod ttl_days;
 
 pub const KINDS: &[&str] = &[
     "autoscale-day",
@@ -23,6 +24,7 @@ pub const KINDS: &[&str] = &[
     "faults",
     "plan",
     "service",
+    "ttl-days",
 ];
 
 pub struct RunContext {
