@@ -1010,6 +1010,32 @@ impl PagedAttention {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
         let sh = &self.shape;
+        self.check_run_buffers(q, kv, layout, rows, tokens_per_split, out)?;
+        if rows.num_q == 0 {
+            return Ok(());
+        }
+        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
+        ensure(
+            ws.m.len() >= rows.num_q * sh.num_heads() * max_splits,
+            || "workspace too small for this split".into(),
+        )?;
+        let cfg = self.split_launch_config(rows, max_splits)?;
+        let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
+        self.launch_split(gpu, q, kv, layout, rows, (tps, ms), ws, scale, cfg)?;
+        self.launch_reduce(gpu, rows, (tps, ms), ws, out)
+    }
+
+    /// The layout and the sizes of `q`, `out` and `kv` fit `rows`, with a positive split.
+    fn check_run_buffers(
+        &self,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &DeviceRows,
+        tokens_per_split: usize,
+        out: &CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         layout.validate(sh)?;
         ensure(tokens_per_split > 0, || {
             "tokens_per_split must be positive".into()
@@ -1022,24 +1048,19 @@ impl PagedAttention {
         })?;
         ensure(kv.len() >= layout.min_len(sh), || {
             "kv view is shorter than the layout".into()
-        })?;
-        if rows.num_q == 0 {
-            return Ok(());
-        }
-        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
-        ensure(
-            ws.m.len() >= rows.num_q * sh.num_heads() * max_splits,
-            || "workspace too small for this split".into(),
-        )?;
-        let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
-        let (max_blocks, kvh, bs) = (
-            rows.max_blocks as i32,
-            sh.num_kv_heads as i32,
-            sh.block_size as i32,
-        );
-        let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
-        let mut b = gpu.stream.launch_builder(self.split_fn());
-        let cfg = match (&self.kernel, &self.mma, &rows.groups) {
+        })
+    }
+
+    /// The split kernel's launch shape over `rows` in `max_splits` splits: per group of query
+    /// tokens on the tensor-core kernel (whose rows must have been grouped for its tiles), per
+    /// query token otherwise.
+    fn split_launch_config(
+        &self,
+        rows: &DeviceRows,
+        max_splits: usize,
+    ) -> Result<LaunchConfig, KernelError> {
+        let sh = &self.shape;
+        match (&self.kernel, &self.mma, &rows.groups) {
             (AttentionKernel::Mma, Some((_, mc)), Some(g)) => {
                 ensure(g.max_len <= mc.tokens_per_group(sh), || {
                     format!(
@@ -1048,16 +1069,7 @@ impl PagedAttention {
                         mc.tokens_per_group(sh)
                     )
                 })?;
-                b.arg(q)
-                    .arg(kv)
-                    .arg(&rows.tables)
-                    .arg(&max_blocks)
-                    .arg(&g.row)
-                    .arg(&g.start)
-                    .arg(&g.end)
-                    .arg(&g.q0)
-                    .arg(&g.qn);
-                LaunchConfig {
+                Ok(LaunchConfig {
                     grid_dim: (
                         max_splits.div_ceil(mc.warps) as u32,
                         g.count as u32,
@@ -1065,32 +1077,58 @@ impl PagedAttention {
                     ),
                     block_dim: ((mc.warps * 32) as u32, 1, 1),
                     shared_mem_bytes: mc.smem_bytes(sh) as u32,
-                }
+                })
             }
-            (AttentionKernel::Mma, _, _) => {
-                return Err(KernelError::shape(
-                    "rows were uploaded without the tensor-core kernel's groups",
-                ));
+            (AttentionKernel::Mma, _, _) => Err(KernelError::shape(
+                "rows were uploaded without the tensor-core kernel's groups",
+            )),
+            _ => Ok(LaunchConfig {
+                grid_dim: (
+                    max_splits.div_ceil(WARPS) as u32,
+                    rows.num_q as u32,
+                    sh.num_kv_heads as u32,
+                ),
+                block_dim: ((WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            }),
+        }
+    }
+
+    /// Launches the split kernel: each split's partial max, sum and output into `ws`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_split(
+        &self,
+        gpu: &GpuContext,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &DeviceRows,
+        (tps, ms): (i32, i32),
+        ws: &mut AttentionWorkspace,
+        scale: f32,
+        cfg: LaunchConfig,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
+        let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
+        let (max_blocks, kvh, bs) = (
+            rows.max_blocks as i32,
+            sh.num_kv_heads as i32,
+            sh.block_size as i32,
+        );
+        let mut b = gpu.stream.launch_builder(self.split_fn());
+        b.arg(q).arg(kv).arg(&rows.tables).arg(&max_blocks);
+        match (&self.kernel, &self.mma, &rows.groups) {
+            (AttentionKernel::Mma, Some(_), Some(g)) => {
+                b.arg(&g.row)
+                    .arg(&g.start)
+                    .arg(&g.end)
+                    .arg(&g.q0)
+                    .arg(&g.qn);
             }
             _ => {
-                b.arg(q)
-                    .arg(kv)
-                    .arg(&rows.tables)
-                    .arg(&max_blocks)
-                    .arg(&rows.table_row)
-                    .arg(&rows.kv_start)
-                    .arg(&rows.kv_end);
-                LaunchConfig {
-                    grid_dim: (
-                        max_splits.div_ceil(WARPS) as u32,
-                        rows.num_q as u32,
-                        sh.num_kv_heads as u32,
-                    ),
-                    block_dim: ((WARPS * 32) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                }
+                b.arg(&rows.table_row).arg(&rows.kv_start).arg(&rows.kv_end);
             }
-        };
+        }
         b.arg(&block_stride)
             .arg(&row_stride)
             .arg(&kvh)
@@ -1101,6 +1139,19 @@ impl PagedAttention {
         b.arg(&mut ws.m).arg(&mut ws.l).arg(&mut ws.acc);
         // SAFETY: shapes and every block id reachable from the rows were checked above/on upload.
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Launches the reduction of the splits in `ws` into `out`.
+    fn launch_reduce(
+        &self,
+        gpu: &GpuContext,
+        rows: &DeviceRows,
+        (tps, ms): (i32, i32),
+        ws: &AttentionWorkspace,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         let heads = sh.num_heads() as i32;
         let cfg = LaunchConfig {
             grid_dim: (rows.num_q as u32, sh.num_heads() as u32, 1),
