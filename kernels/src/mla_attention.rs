@@ -590,6 +590,40 @@ impl MlaAttention {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
         let sh = &self.shape;
+        self.check_run_buffers(q, kv, layout, rows, tokens_per_split, out)?;
+        if rows.num_q == 0 {
+            return Ok(());
+        }
+        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
+        ensure(
+            ws.holds(rows.num_q * sh.num_heads() * max_splits, sh.d_v),
+            || "workspace too small for this split".into(),
+        )?;
+        self.launch_split(
+            gpu,
+            q,
+            kv,
+            layout,
+            rows,
+            (tokens_per_split, max_splits),
+            ws,
+            scale,
+        )?;
+        let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
+        self.launch_reduce(gpu, rows, (tps, ms), ws, out)
+    }
+
+    /// The layout and the sizes of `q`, `out` and `kv` fit `rows`, with a positive split.
+    fn check_run_buffers(
+        &self,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &MlaRows,
+        tokens_per_split: usize,
+        out: &CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         layout.validate(sh)?;
         ensure(tokens_per_split > 0, || {
             "tokens_per_split must be positive".into()
@@ -602,15 +636,24 @@ impl MlaAttention {
         })?;
         ensure(kv.len() >= layout.min_len(sh), || {
             "kv view is shorter than the layout".into()
-        })?;
-        if rows.num_q == 0 {
-            return Ok(());
-        }
-        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
-        ensure(
-            ws.holds(rows.num_q * sh.num_heads() * max_splits, sh.d_v),
-            || "workspace too small for this split".into(),
-        )?;
+        })
+    }
+
+    /// Launches the split kernel of the rows' tiles (compiled on first use): each split's
+    /// partial max, sum and output into `ws`, one CTA per row chunk, split and group.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_split(
+        &self,
+        gpu: &GpuContext,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &MlaRows,
+        (tokens_per_split, max_splits): (usize, usize),
+        ws: &mut AttentionWorkspace,
+        scale: f32,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         let cfg = self.config_for(rows)?;
         let (f, _) = self.kernel(gpu, &cfg)?;
         let chunks = cfg.chunks(rows.max_rows);
@@ -654,6 +697,19 @@ impl MlaAttention {
         // SAFETY: shapes were checked above and every block id reachable from the rows on
         // upload; the grid covers exactly the groups, splits and row chunks uploaded.
         unsafe { b.launch(launch) }?;
+        Ok(())
+    }
+
+    /// Launches the reduction of the splits in `ws` into `out`.
+    fn launch_reduce(
+        &self,
+        gpu: &GpuContext,
+        rows: &MlaRows,
+        (tps, ms): (i32, i32),
+        ws: &mut AttentionWorkspace,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         let heads = sh.num_heads() as i32;
         let cfg_r = LaunchConfig {
             grid_dim: (rows.num_q as u32, sh.num_heads() as u32, 1),
