@@ -214,11 +214,24 @@ impl MoeRouter {
                 )
             },
         )?;
-        let s = &gpu.stream;
         if n == 0 {
             return Ok(());
         }
-        let (ni, ei, ki, nai) = (n as i32, e as i32, k as i32, (n * k) as i32);
+        self.launch_topk(gpu, logits, n, renorm, r)?;
+        self.launch_permutation(gpu, n, r)
+    }
+
+    /// Launches the top-k kernel: each token's experts and weights into `r`.
+    fn launch_topk(
+        &self,
+        gpu: &GpuContext,
+        logits: &CudaSlice<f32>,
+        n: usize,
+        renorm: bool,
+        r: &mut Routing,
+    ) -> Result<(), KernelError> {
+        let (e, k) = (self.num_experts, self.top_k);
+        let (ni, ei, ki) = (n as i32, e as i32, k as i32);
         let warps = 4u32;
         let cfg = LaunchConfig {
             grid_dim: ((n as u32).div_ceil(warps), 1, 1),
@@ -229,7 +242,7 @@ impl MoeRouter {
             "too many experts for the top-k kernel".into()
         })?;
         let rn = renorm as i32;
-        let mut b = s.launch_builder(&self.topk);
+        let mut b = gpu.stream.launch_builder(&self.topk);
         b.arg(logits)
             .arg(&ni)
             .arg(&ei)
@@ -239,6 +252,20 @@ impl MoeRouter {
             .arg(&mut r.weights);
         // SAFETY: outputs hold n * k entries, shared memory sized for `warps` rows of E.
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Launches the kernels that build the permutation from the chosen experts: per-expert
+    /// counts, their offsets, then each pick's position in expert-major order.
+    fn launch_permutation(
+        &self,
+        gpu: &GpuContext,
+        n: usize,
+        r: &mut Routing,
+    ) -> Result<(), KernelError> {
+        let s = &gpu.stream;
+        let (e, k) = (self.num_experts, self.top_k);
+        let (ei, ki, nai) = (e as i32, k as i32, (n * k) as i32);
         let mut b = s.launch_builder(&self.count);
         b.arg(&r.ids).arg(&nai).arg(&mut r.counts);
         // SAFETY: one block per expert writes counts[e].
