@@ -1300,7 +1300,6 @@ pub fn random_tables(seed: u64, rows: usize, max_blocks: usize, num_blocks: usiz
     }
 }
 
-/// One GPU check: decode rows of ragged lengths, and a prefill chunk over a cached prefix.
 /// Which query rows a check uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CaseKind {
@@ -1312,17 +1311,10 @@ enum CaseKind {
     Prefill,
 }
 
-fn check_case(
-    gpu: &GpuContext,
-    seed: u64,
-    shape: PagedAttentionShape,
-    kind: CaseKind,
-    kernel: AttentionKernel,
-    tiles: Option<MmaConfig>,
-) -> Result<CheckResult, KernelError> {
-    let mut r = rng(seed);
-    let bs = shape.block_size;
-    let (rows, tables, num_blocks, what) = if kind == CaseKind::Decode {
+/// The query rows of a check of `kind` at block size `bs`, random block tables (from
+/// `seed`) over a pool of as many blocks as returned, and the case's description.
+fn case_rows(kind: CaseKind, bs: usize, seed: u64) -> (QueryRows, BlockTables, usize, String) {
+    if kind == CaseKind::Decode {
         let lens = [1usize, bs - 1, bs, 3 * bs + 17, 5 * bs + 1, 0];
         let max_blocks = 6;
         let nb = lens.len() * max_blocks;
@@ -1352,7 +1344,22 @@ fn check_case(
             max_blocks + 3,
             format!("prefill prefix {prefix} chunk {chunk}"),
         )
-    };
+    }
+}
+
+/// One GPU check: decode rows of ragged lengths, verification rows, or a prefill chunk over a
+/// cached prefix.
+fn check_case(
+    gpu: &GpuContext,
+    seed: u64,
+    shape: PagedAttentionShape,
+    kind: CaseKind,
+    kernel: AttentionKernel,
+    tiles: Option<MmaConfig>,
+) -> Result<CheckResult, KernelError> {
+    let mut r = rng(seed);
+    let bs = shape.block_size;
+    let (rows, tables, num_blocks, what) = case_rows(kind, bs, seed);
     let layout = KvLayout::packed(&shape, num_blocks);
     let kv = random_bf16(&mut r, layout.min_len(&shape), 1.0);
     let q = random_bf16(&mut r, rows.len() * shape.num_heads() * shape.d_qk, 1.0);
@@ -1389,6 +1396,22 @@ fn check_case(
         .iter()
         .map(|v| v.to_f64())
         .collect();
+    let detail = case_detail(kernel, tiles, &shape, &what);
+    Ok(CheckResult::from_stats(
+        "paged_attention",
+        detail,
+        ErrorStats::of(&got, &reference),
+        BF16_TOL,
+    ))
+}
+
+/// The description of one check case: the kernel, its tiles, the shape and the rows.
+fn case_detail(
+    kernel: AttentionKernel,
+    tiles: Option<MmaConfig>,
+    shape: &PagedAttentionShape,
+    what: &str,
+) -> String {
     let variant = match tiles {
         Some(c) => format!(
             " {} ({} keys, swizzle {})",
@@ -1398,16 +1421,10 @@ fn check_case(
         ),
         None => String::new(),
     };
-    let detail = format!(
+    format!(
         "{kernel:?}{variant} kvh={} group={} d_qk={} d_v={} {what}",
         shape.num_kv_heads, shape.group, shape.d_qk, shape.d_v
-    );
-    Ok(CheckResult::from_stats(
-        "paged_attention",
-        detail,
-        ErrorStats::of(&got, &reference),
-        BF16_TOL,
-    ))
+    )
 }
 
 fn check_write(gpu: &GpuContext, seed: u64) -> Result<CheckResult, KernelError> {
@@ -1476,6 +1493,26 @@ fn tile_variants(default: &MmaConfig) -> [MmaConfig; 4] {
     ]
 }
 
+/// The kernels (and tensor-core tiles) a shape is checked with: the warp kernel, the tiled one
+/// and the tensor-core one where the shape takes them, the latter also at every
+/// [`tile_variants`] it takes.
+fn kernels_to_check(s: &PagedAttentionShape) -> Vec<(AttentionKernel, Option<MmaConfig>)> {
+    let mut kernels = vec![(AttentionKernel::Warp, None)];
+    if tiled_tile(s).is_some() {
+        kernels.push((AttentionKernel::Tiled, None));
+    }
+    if let Some(cfg) = mma_config(s) {
+        kernels.push((AttentionKernel::Mma, None));
+        kernels.extend(
+            tile_variants(&cfg)
+                .into_iter()
+                .filter(|c| *c != cfg && c.validate_for(s))
+                .map(|c| (AttentionKernel::Mma, Some(c))),
+        );
+    }
+    kernels
+}
+
 pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
     let shapes = [
         PagedAttentionShape {
@@ -1518,20 +1555,7 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
     ];
     let mut out = Vec::new();
     for (i, s) in shapes.iter().enumerate() {
-        let mut kernels = vec![(AttentionKernel::Warp, None)];
-        if tiled_tile(s).is_some() {
-            kernels.push((AttentionKernel::Tiled, None));
-        }
-        if let Some(cfg) = mma_config(s) {
-            kernels.push((AttentionKernel::Mma, None));
-            kernels.extend(
-                tile_variants(&cfg)
-                    .into_iter()
-                    .filter(|c| *c != cfg && c.validate_for(s))
-                    .map(|c| (AttentionKernel::Mma, Some(c))),
-            );
-        }
-        for (k, tiles) in kernels {
+        for (k, tiles) in kernels_to_check(s) {
             for (j, kind) in [CaseKind::Decode, CaseKind::Verify, CaseKind::Prefill]
                 .into_iter()
                 .enumerate()
