@@ -17,11 +17,11 @@ pub fn all_variants() -> Vec<Variant> {
     v
 }
 
-/// The paged-attention kernels at every checked shape: the CUDA-core kernel, and the
-/// tensor-core one (plain and swapped operands) where the shape takes it.
-fn push_paged_attention_variants(v: &mut Vec<Variant>) {
+/// The paged-attention shapes compiled: head widths of 64 to 576, one to eight KV heads,
+/// 16- and 128-token blocks.
+const PAGED_SHAPES: [crate::attention::PagedAttentionShape; 6] = {
     use crate::attention::PagedAttentionShape as P;
-    for s in [
+    [
         P {
             num_kv_heads: 2,
             group: 4,
@@ -64,7 +64,13 @@ fn push_paged_attention_variants(v: &mut Vec<Variant>) {
             d_v: 128,
             block_size: 128,
         },
-    ] {
+    ]
+};
+
+/// The paged-attention kernels at every checked shape: the CUDA-core kernel, and the
+/// tensor-core one (plain and swapped operands) where the shape takes it.
+fn push_paged_attention_variants(v: &mut Vec<Variant>) {
+    for s in PAGED_SHAPES {
         v.push((
             format!("paged_attention {s:?}"),
             crate::attention::source_for(&s),
