@@ -75,7 +75,13 @@ impl ServingConstants {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let field = |f: &str, why: String| Err(ConfigError::invalid(format!("constants.{f}"), why));
+        self.check_positive()?;
+        self.check_bounds()?;
+        self.check_relations()
+    }
+
+    /// The constants that divide, or size a block or a stack, are positive.
+    fn check_positive(&self) -> Result<(), ConfigError> {
         for (name, v) in [
             ("window_tokens", self.window_tokens),
             ("block_tokens", self.block_tokens),
@@ -85,11 +91,15 @@ impl ServingConstants {
             ("kv_bytes_per_token", self.kv_bytes_per_token),
         ] {
             if v == 0 {
-                return field(name, "must be positive".into());
+                return invalid_constant(name, "must be positive".into());
             }
         }
-        // Bounds far above any model, low enough that every sum and product of constants
-        // (and of a prompt length with them) fits its integer type.
+        Ok(())
+    }
+
+    /// Bounds far above any model, low enough that every sum and product of constants (and
+    /// of a prompt length with them) fits its integer type.
+    fn check_bounds(&self) -> Result<(), ConfigError> {
         for (name, v, max) in [
             ("window_tokens", self.window_tokens, MAX_TOKENS),
             ("block_tokens", self.block_tokens, MAX_TOKENS),
@@ -121,14 +131,20 @@ impl ServingConstants {
             ),
         ] {
             if v > max {
-                return field(
+                return invalid_constant(
                     name,
                     format!("{v} is more than the largest accepted, {max}"),
                 );
             }
         }
+        Ok(())
+    }
+
+    /// The constants that SPEC §2 ties together: the backtrack covers a draft block, the
+    /// decoder replay rebuilds the window, the exact rebuild spans one.
+    fn check_relations(&self) -> Result<(), ConfigError> {
         if u64::from(self.backtrack_tokens) < u64::from(self.draft_tokens) + 1 {
-            return field(
+            return invalid_constant(
                 "backtrack_tokens",
                 format!(
                     "{} is less than draft_tokens + 1 = {}",
@@ -138,7 +154,7 @@ impl ServingConstants {
             );
         }
         if self.decoder_replay_tokens < self.hit_margin_tokens() {
-            return field(
+            return invalid_constant(
                 "decoder_replay_tokens",
                 format!(
                     "{} is shorter than window + backtrack = {}: the replay could not rebuild the window (SPEC §2)",
@@ -148,13 +164,18 @@ impl ServingConstants {
             );
         }
         if self.exact_rebuild_tokens < self.window_tokens {
-            return field(
+            return invalid_constant(
                 "exact_rebuild_tokens",
                 "must be at least one window".to_string(),
             );
         }
         Ok(())
     }
+}
+
+/// The error of an invalid `constants.{f}`.
+fn invalid_constant(f: &str, why: String) -> Result<(), ConfigError> {
+    Err(ConfigError::invalid(format!("constants.{f}"), why))
 }
 
 /// The largest token constant accepted (2^24 = 16.8M tokens).

@@ -427,6 +427,82 @@ pub struct EconEstimate {
     pub infeasible_reasons: Vec<Infeasibility>,
 }
 
+/// The GPU counts of one mix: implied by revenue, and needed by capacity.
+struct Fleet {
+    revenue: Split,
+    revenue_per_day: f64,
+    gpus_from_revenue: f64,
+    prefill_gpus: f64,
+    decode_gpus: f64,
+    gpus_needed: f64,
+}
+
+impl Fleet {
+    fn of(p: &EconParams, tokens: &Split) -> Self {
+        let revenue = p.prices.revenue_usd(tokens);
+        let revenue_per_day = revenue.total();
+        let gpus_from_revenue = revenue_per_day / (p.revenue_per_gpu_hour * HOURS_PER_DAY);
+        let prefill_gpus = tokens.miss / p.prefill_tokens_per_gpu_day();
+        let decode_gpus = tokens.output / p.decode_tokens_per_gpu_day();
+        Self {
+            revenue,
+            revenue_per_day,
+            gpus_from_revenue,
+            prefill_gpus,
+            decode_gpus,
+            gpus_needed: prefill_gpus + decode_gpus,
+        }
+    }
+
+    /// 1:1 pools need a hit rate in [0, 1] *and* pools to be 1:1: at output share 0 (or a
+    /// load so small that a pool holds less than one GPU) there are none.
+    fn pools_exist(&self) -> bool {
+        self.prefill_gpus >= 1.0 && self.decode_gpus >= 1.0
+    }
+
+    /// Capacity count ÷ revenue count (0 when neither needs a GPU, `None` when only revenue
+    /// is zero).
+    fn utilisation_needed(&self) -> Option<f64> {
+        if self.gpus_from_revenue > 0.0 {
+            Some(self.gpus_needed / self.gpus_from_revenue)
+        } else if self.gpus_needed == 0.0 {
+            Some(0.0)
+        } else {
+            None
+        }
+    }
+}
+
+/// Why the mix at implied hit rate `h_raw` is infeasible (empty when it is feasible).
+fn infeasibilities(p: &EconParams, h_raw: f64, fleet: &Fleet) -> Vec<Infeasibility> {
+    let mut reasons = Vec::new();
+    if !(0.0..=1.0).contains(&h_raw) {
+        reasons.push(Infeasibility::PoolRatio {
+            implied_hit_rate: h_raw,
+            max_output_share: max_output_share(p.prefill_tps, p.decode_tps),
+        });
+    } else if !fleet.pools_exist() {
+        reasons.push(Infeasibility::NoPools {
+            prefill_gpus: fleet.prefill_gpus,
+            decode_gpus: fleet.decode_gpus,
+        });
+    }
+    if fleet.gpus_needed > fleet.gpus_from_revenue {
+        reasons.push(Infeasibility::OverRevenue {
+            gpus_needed: fleet.gpus_needed,
+            gpus_from_revenue: fleet.gpus_from_revenue,
+        });
+    }
+    reasons
+}
+
+/// Days of cache a fleet of `fleet_gpus` holds at `written_bytes_per_day`; `None` when
+/// nothing is written.
+fn cache_days(p: &EconParams, written_bytes_per_day: f64, fleet_gpus: f64) -> Option<f64> {
+    (written_bytes_per_day > 0.0)
+        .then(|| p.cache_per_gpu_tb * BYTES_PER_TB * fleet_gpus / written_bytes_per_day)
+}
+
 /// Evaluates SPEC §12 at `p.output_share`.
 pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
     p.validate()?;
@@ -434,64 +510,22 @@ pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
     let t = p.tokens_per_day;
     let h_raw = implied_hit_rate(o, p.prefill_tps, p.decode_tps);
     let h = h_raw.clamp(0.0, 1.0);
-
     let tokens = Split {
         hit: h * (1.0 - o) * t,
         miss: (1.0 - h) * (1.0 - o) * t,
         output: o * t,
     };
-    let revenue = p.prices.revenue_usd(&tokens);
-    let revenue_per_day = revenue.total();
-    let gpus_from_revenue = revenue_per_day / (p.revenue_per_gpu_hour * HOURS_PER_DAY);
-
-    let prefill_gpus = tokens.miss / p.prefill_tokens_per_gpu_day();
-    let decode_gpus = tokens.output / p.decode_tokens_per_gpu_day();
-    let gpus_needed = prefill_gpus + decode_gpus;
-    // 1:1 pools need a hit rate in [0, 1] *and* pools to be 1:1: at output share 0 (or a load
-    // so small that a pool holds less than one GPU) there are none.
-    let pools_exist = prefill_gpus >= 1.0 && decode_gpus >= 1.0;
-    let pool_ratio_holds = (0.0..=1.0).contains(&h_raw) && pools_exist;
-    let utilisation_needed = if gpus_from_revenue > 0.0 {
-        Some(gpus_needed / gpus_from_revenue)
-    } else if gpus_needed == 0.0 {
-        Some(0.0)
-    } else {
-        None
-    };
-
+    let fleet = Fleet::of(p, &tokens);
     let written_tokens_per_day = tokens.miss + tokens.output;
     let written_bytes_per_day = written_tokens_per_day * p.bytes_per_token;
     let storage_pib = written_bytes_per_day * p.ttl_days * p.ec_overhead / BYTES_PER_PIB;
     let band = store_band(p.store_pib, p.ec_overhead, p.cache_per_gpu_tb);
-    let cache_days = |fleet_gpus: f64| {
-        (written_bytes_per_day > 0.0)
-            .then(|| p.cache_per_gpu_tb * BYTES_PER_TB * fleet_gpus / written_bytes_per_day)
-    };
-
-    let mut infeasible_reasons = Vec::new();
-    if !(0.0..=1.0).contains(&h_raw) {
-        infeasible_reasons.push(Infeasibility::PoolRatio {
-            implied_hit_rate: h_raw,
-            max_output_share: max_output_share(p.prefill_tps, p.decode_tps),
-        });
-    } else if !pools_exist {
-        infeasible_reasons.push(Infeasibility::NoPools {
-            prefill_gpus,
-            decode_gpus,
-        });
-    }
-    if gpus_needed > gpus_from_revenue {
-        infeasible_reasons.push(Infeasibility::OverRevenue {
-            gpus_needed,
-            gpus_from_revenue,
-        });
-    }
-
+    let infeasible_reasons = infeasibilities(p, h_raw, &fleet);
     let estimate = EconEstimate {
         output_share: o,
         hit_rate_implied: h_raw,
         hit_rate: h,
-        pool_ratio_holds,
+        pool_ratio_holds: (0.0..=1.0).contains(&h_raw) && fleet.pools_exist(),
         tokens_per_day: tokens,
         // From the mix itself, not from the token counts (which underflow for a tiny T): the
         // shares always sum to 1.
@@ -500,22 +534,22 @@ pub fn evaluate(p: &EconParams) -> Result<EconEstimate, ConfigError> {
             miss: (1.0 - h) * (1.0 - o),
             output: o,
         },
-        revenue_usd_per_day: revenue,
-        revenue_share: revenue.shares(),
-        revenue_per_day,
-        gpus_from_revenue,
-        prefill_gpus,
-        decode_gpus,
-        gpus_needed,
-        utilisation_needed,
+        revenue_usd_per_day: fleet.revenue,
+        revenue_share: fleet.revenue.shares(),
+        revenue_per_day: fleet.revenue_per_day,
+        gpus_from_revenue: fleet.gpus_from_revenue,
+        prefill_gpus: fleet.prefill_gpus,
+        decode_gpus: fleet.decode_gpus,
+        gpus_needed: fleet.gpus_needed,
+        utilisation_needed: fleet.utilisation_needed(),
         written_tokens_per_day,
         written_bytes_per_day,
         storage_pib,
         storage_fits: storage_pib <= p.store_pib,
         store_band_gpus_physical: band.gpus_physical,
         store_band_gpus_logical: band.gpus_logical,
-        cache_days_per_gpu: cache_days(gpus_from_revenue),
-        cache_days_at_gpus_needed: cache_days(gpus_needed),
+        cache_days_per_gpu: cache_days(p, written_bytes_per_day, fleet.gpus_from_revenue),
+        cache_days_at_gpus_needed: cache_days(p, written_bytes_per_day, fleet.gpus_needed),
         feasible: infeasible_reasons.is_empty(),
         infeasible_reasons,
     };

@@ -92,46 +92,12 @@ impl HitPolicy {
         self,
         c: &ServingConstants,
         input: HitInputs,
-        mut swa_at: impl FnMut(u32) -> bool,
+        swa_at: impl FnMut(u32) -> bool,
     ) -> HitDecision {
-        let l = input.prompt_tokens;
-        let bs = c.block_tokens;
-        let b = (input.cached_block_tokens / bs) * bs;
-        let perfect = input.perfect_hit_tokens.min(l);
-        let replay = l.min(c.decoder_replay_tokens);
-        // vLLM caps a hit at L − 1, block-aligned, so at least one token is computed.
-        let vllm_cap = (l.saturating_sub(1) / bs) * bs;
+        let p = PromptView::new(c, &input);
+        let (l, perfect, replay) = (p.prompt, p.perfect, p.replay);
         match self {
-            HitPolicy::Deepinfer | HitPolicy::SwaOnSsd => {
-                let margin = c.hit_margin_tokens();
-                let cap = (l.saturating_sub(margin) / bs) * bs;
-                let h0 = b.min(cap);
-                if h0 == 0 {
-                    let reason = if b == 0 {
-                        HitReason::NoCachedBlocks
-                    } else {
-                        HitReason::CappedToNothing
-                    };
-                    return HitDecision::computed(l, 0, 0, replay, reason);
-                }
-                let capped = h0 < b;
-                if swa_at(h0) {
-                    let reason = if capped {
-                        HitReason::CappedWithSwaState
-                    } else {
-                        HitReason::SwaStateAtPrefixEnd
-                    };
-                    let mut d = HitDecision::computed(l, h0, 0, replay, reason);
-                    d.swa_state_at = Some(h0);
-                    d
-                } else if h0 <= bs {
-                    HitDecision::computed(l, 0, 0, replay, HitReason::NoSwaStateSingleBlock)
-                } else {
-                    // Back off one block: its KV is reused, its tokens recomputed with attention
-                    // truncated at h0 − B (encoder-side bounded replay).
-                    HitDecision::computed(l, h0 - bs, bs, replay, HitReason::NoSwaStateBackedOff)
-                }
-            }
+            HitPolicy::Deepinfer | HitPolicy::SwaOnSsd => deepinfer_rule(c, &p, swa_at),
             HitPolicy::PerfectCache => {
                 HitDecision::computed(l, perfect, 0, replay, HitReason::PerfectCache)
             }
@@ -148,41 +114,122 @@ impl HitPolicy {
                 l.min(c.exact_rebuild_tokens),
                 HitReason::PerfectCache,
             ),
-            HitPolicy::VllmEncoderReplay => {
-                let h = b.min(vllm_cap);
-                let w = c.window_tokens;
-                if h == 0 {
-                    HitDecision::computed(l, 0, 0, replay, HitReason::NoCachedBlocks)
-                } else if h <= w {
-                    HitDecision::computed(l, 0, 0, replay, HitReason::TooShortForReplay)
-                } else {
-                    HitDecision::computed(l, h - w, w, replay, HitReason::ReplayedWindow)
-                }
-            }
-            HitPolicy::VllmPrefix => {
-                let h = b.min(vllm_cap);
-                let reason = if h == 0 {
-                    HitReason::NoCachedBlocks
-                } else {
-                    HitReason::BlockAlignedPrefix
-                };
-                let mut d = HitDecision::computed(l, h, 0, l - h, reason);
-                d.decoder_only = true;
-                d
-            }
-            HitPolicy::SglangExactSwa => {
-                let r = sglang_exact_swa_tokens(c);
-                let h = b.min(vllm_cap);
-                let rebuild = l.min(c.exact_rebuild_tokens);
-                if h == 0 {
-                    HitDecision::computed(l, 0, 0, rebuild, HitReason::NoCachedBlocks)
-                } else if h < 2 * r {
-                    HitDecision::computed(l, 0, 0, rebuild, HitReason::BelowExactSwaThreshold)
-                } else {
-                    HitDecision::computed(l, h - r, r, rebuild, HitReason::ExactSwaRecompute)
-                }
-            }
+            HitPolicy::VllmEncoderReplay => vllm_encoder_replay_rule(c, &p),
+            HitPolicy::VllmPrefix => vllm_prefix_rule(&p),
+            HitPolicy::SglangExactSwa => sglang_exact_swa_rule(c, &p),
         }
+    }
+}
+
+/// What the rules read of one prompt.
+struct PromptView {
+    /// Prompt length L.
+    prompt: u32,
+    block: u32,
+    /// The cached prefix, in whole blocks.
+    cached: u32,
+    /// The perfect-cache prefix, at most L.
+    perfect: u32,
+    /// The bounded decoder replay, at most L.
+    replay: u32,
+    /// vLLM caps a hit at L − 1, block-aligned, so at least one token is computed.
+    vllm_cap: u32,
+}
+
+impl PromptView {
+    fn new(c: &ServingConstants, input: &HitInputs) -> Self {
+        let l = input.prompt_tokens;
+        let bs = c.block_tokens;
+        Self {
+            prompt: l,
+            block: bs,
+            cached: (input.cached_block_tokens / bs) * bs,
+            perfect: input.perfect_hit_tokens.min(l),
+            replay: l.min(c.decoder_replay_tokens),
+            vllm_cap: (l.saturating_sub(1) / bs) * bs,
+        }
+    }
+}
+
+/// SPEC §4: the cached prefix capped at L − margin; without SWA state at the cap, back off
+/// one block (or hit nothing when only one block is left).
+fn deepinfer_rule(
+    c: &ServingConstants,
+    p: &PromptView,
+    mut swa_at: impl FnMut(u32) -> bool,
+) -> HitDecision {
+    let (l, bs, b, replay) = (p.prompt, p.block, p.cached, p.replay);
+    let margin = c.hit_margin_tokens();
+    let cap = (l.saturating_sub(margin) / bs) * bs;
+    let h0 = b.min(cap);
+    if h0 == 0 {
+        let reason = if b == 0 {
+            HitReason::NoCachedBlocks
+        } else {
+            HitReason::CappedToNothing
+        };
+        return HitDecision::computed(l, 0, 0, replay, reason);
+    }
+    let capped = h0 < b;
+    if swa_at(h0) {
+        let reason = if capped {
+            HitReason::CappedWithSwaState
+        } else {
+            HitReason::SwaStateAtPrefixEnd
+        };
+        let mut d = HitDecision::computed(l, h0, 0, replay, reason);
+        d.swa_state_at = Some(h0);
+        d
+    } else if h0 <= bs {
+        HitDecision::computed(l, 0, 0, replay, HitReason::NoSwaStateSingleBlock)
+    } else {
+        // Back off one block: its KV is reused, its tokens recomputed with attention
+        // truncated at h0 − B (encoder-side bounded replay).
+        HitDecision::computed(l, h0 - bs, bs, replay, HitReason::NoSwaStateBackedOff)
+    }
+}
+
+/// vLLM PR #56227: a block-aligned hit H ≤ L − 1 recomputes its last window [H − W, H).
+fn vllm_encoder_replay_rule(c: &ServingConstants, p: &PromptView) -> HitDecision {
+    let (l, replay) = (p.prompt, p.replay);
+    let h = p.cached.min(p.vllm_cap);
+    let w = c.window_tokens;
+    if h == 0 {
+        HitDecision::computed(l, 0, 0, replay, HitReason::NoCachedBlocks)
+    } else if h <= w {
+        HitDecision::computed(l, 0, 0, replay, HitReason::TooShortForReplay)
+    } else {
+        HitDecision::computed(l, h - w, w, replay, HitReason::ReplayedWindow)
+    }
+}
+
+/// vLLM v1 prefix caching on a decoder-only model: the block-aligned hit, the rest through
+/// every layer.
+fn vllm_prefix_rule(p: &PromptView) -> HitDecision {
+    let l = p.prompt;
+    let h = p.cached.min(p.vllm_cap);
+    let reason = if h == 0 {
+        HitReason::NoCachedBlocks
+    } else {
+        HitReason::BlockAlignedPrefix
+    };
+    let mut d = HitDecision::computed(l, h, 0, l - h, reason);
+    d.decoder_only = true;
+    d
+}
+
+/// SGLang's exact SWA recompute: the last R tokens of a match of at least 2R rebuilt exactly.
+fn sglang_exact_swa_rule(c: &ServingConstants, p: &PromptView) -> HitDecision {
+    let l = p.prompt;
+    let r = sglang_exact_swa_tokens(c);
+    let h = p.cached.min(p.vllm_cap);
+    let rebuild = l.min(c.exact_rebuild_tokens);
+    if h == 0 {
+        HitDecision::computed(l, 0, 0, rebuild, HitReason::NoCachedBlocks)
+    } else if h < 2 * r {
+        HitDecision::computed(l, 0, 0, rebuild, HitReason::BelowExactSwaThreshold)
+    } else {
+        HitDecision::computed(l, h - r, r, rebuild, HitReason::ExactSwaRecompute)
     }
 }
 

@@ -161,16 +161,9 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// Runs every shape `reps` times after one warm-up, each on fresh request ids.
-pub fn sweep(
-    b: &mut CudaBackend,
-    cfg: &CalibrateConfig,
-    mut log: impl FnMut(&str),
-) -> Result<Sweep, BackendError> {
-    let m = b.config().model.clone();
-    let mut next_req = 1_000_000u64;
-    let mut report = StepReport::default();
-    let mut prefill = Vec::new();
+/// The swept prefill shapes (new tokens, prefix, decoder replay): every chunk size after every
+/// prefix with a replay, then each chunk size as a middle chunk after the longest prefix.
+fn prefill_shapes(cfg: &CalibrateConfig) -> Vec<(usize, usize, usize)> {
     let mut shapes = Vec::new();
     for &n in &cfg.prefill_new {
         for &p in &cfg.prefill_prefix {
@@ -179,15 +172,33 @@ pub fn sweep(
         // a middle chunk: no decoder replay
         shapes.push((n, cfg.prefill_prefix.last().copied().unwrap_or(0), 0));
     }
-    for (n, p, r) in shapes {
+    shapes
+}
+
+/// A sweep in progress: the backend, the config and the next request id (every timed step
+/// runs on fresh ones).
+struct Sweeper<'a> {
+    b: &'a mut CudaBackend,
+    cfg: &'a CalibrateConfig,
+    next_req: u64,
+    report: StepReport,
+}
+
+impl Sweeper<'_> {
+    /// One prefill shape from an empty backend, `reps` times after one warm-up.
+    fn prefill_point(
+        &mut self,
+        (n, p, r): (usize, usize, usize),
+    ) -> Result<PrefillPoint, BackendError> {
+        let m = self.b.config().model.clone();
         let mut d = Vec::new();
-        for rep in 0..=cfg.reps {
-            b.reset();
-            next_req += 1;
+        for rep in 0..=self.cfg.reps {
+            self.b.reset();
+            self.next_req += 1;
             let plan = StepPlan::Prefill(PrefillPlan {
                 engine: EngineId(0),
                 chunks: vec![PrefillChunk {
-                    request: RequestId(next_req),
+                    request: RequestId(self.next_req),
                     new_tokens: n as u32,
                     prefix_tokens: p as u32,
                     new_token_layers: m.encoder_layers as u32,
@@ -197,69 +208,110 @@ pub fn sweep(
                 }],
                 expert_imbalance: 1.0,
             });
-            b.try_execute(&plan, &mut report)?;
+            self.b.try_execute(&plan, &mut self.report)?;
             if rep > 0 {
-                d.push(report.duration.0);
+                d.push(self.report.duration.0);
             }
         }
         let med = median(&mut d.iter().map(|&x| x as f64).collect::<Vec<_>>());
-        log(&format!("prefill n={n} p={p} r={r}: {:.2} ms", med / 1e6));
-        prefill.push(PrefillPoint {
+        Ok(PrefillPoint {
             new_tokens: n,
             prefix_tokens: p,
             decoder_tokens: r,
             durations_ns: d,
             median_ns: med,
-        });
+        })
+    }
+
+    /// `bsz` fresh sequences of `kv` cached tokens, each with `q` query tokens.
+    fn decode_plan(&mut self, bsz: usize, kv: usize, q: usize) -> StepPlan {
+        let seqs: Vec<DecodeSeq> = (0..bsz)
+            .map(|i| DecodeSeq {
+                request: RequestId(self.next_req + 1 + i as u64),
+                kv_tokens: kv as u32,
+                max_drafts: (q - 1) as u32,
+                slot: i as u32,
+            })
+            .collect();
+        self.next_req += bsz as u64 + 1;
+        StepPlan::Decode(DecodePlan {
+            engine: EngineId(0),
+            ranks: vec![DecodeRankPlan {
+                seq_start: 0,
+                seq_end: bsz as u32,
+                verify_budget: (bsz * (q - 1)) as u32,
+            }],
+            seqs,
+            dynamic: false,
+            expert_imbalance: 1.0,
+        })
+    }
+
+    /// One decode shape after a reset, `reps` times after one warm-up (the same sequences
+    /// each time), with the host time outside the stream's busy span.
+    fn decode_point(
+        &mut self,
+        bsz: usize,
+        kv: usize,
+        q: usize,
+    ) -> Result<DecodePoint, BackendError> {
+        self.b.reset();
+        let plan = self.decode_plan(bsz, kv, q);
+        let (mut d, mut gaps) = (Vec::new(), Vec::new());
+        for rep in 0..=self.cfg.reps {
+            let t0 = Instant::now();
+            self.b.try_execute(&plan, &mut self.report)?;
+            let wall = t0.elapsed().as_nanos() as f64;
+            if rep > 0 {
+                d.push(self.report.duration.0);
+                gaps.push((wall - self.report.duration.0 as f64).max(0.0));
+            }
+        }
+        let med = median(&mut d.iter().map(|&x| x as f64).collect::<Vec<_>>());
+        Ok(DecodePoint {
+            batch: bsz,
+            kv_tokens: kv,
+            query_tokens: q,
+            durations_ns: d,
+            median_ns: med,
+            host_gap_ns: median(&mut gaps),
+        })
+    }
+}
+
+/// Runs every shape `reps` times after one warm-up, each on fresh request ids.
+pub fn sweep(
+    b: &mut CudaBackend,
+    cfg: &CalibrateConfig,
+    mut log: impl FnMut(&str),
+) -> Result<Sweep, BackendError> {
+    let m = b.config().model.clone();
+    let mut sw = Sweeper {
+        b,
+        cfg,
+        next_req: 1_000_000,
+        report: StepReport::default(),
+    };
+    let mut prefill = Vec::new();
+    for shape in prefill_shapes(cfg) {
+        let pt = sw.prefill_point(shape)?;
+        let (n, p, r) = shape;
+        log(&format!(
+            "prefill n={n} p={p} r={r}: {:.2} ms",
+            pt.median_ns / 1e6
+        ));
+        prefill.push(pt);
     }
     let mut decode = Vec::new();
     for &bsz in &cfg.decode_batch {
         for &kv in &cfg.decode_kv {
             for &q in &cfg.decode_query {
-                b.reset();
-                let seqs: Vec<DecodeSeq> = (0..bsz)
-                    .map(|i| DecodeSeq {
-                        request: RequestId(next_req + 1 + i as u64),
-                        kv_tokens: kv as u32,
-                        max_drafts: (q - 1) as u32,
-                        slot: i as u32,
-                    })
-                    .collect();
-                next_req += bsz as u64 + 1;
-                let plan = StepPlan::Decode(DecodePlan {
-                    engine: EngineId(0),
-                    ranks: vec![DecodeRankPlan {
-                        seq_start: 0,
-                        seq_end: bsz as u32,
-                        verify_budget: (bsz * (q - 1)) as u32,
-                    }],
-                    seqs,
-                    dynamic: false,
-                    expert_imbalance: 1.0,
-                });
-                let (mut d, mut gaps) = (Vec::new(), Vec::new());
-                for rep in 0..=cfg.reps {
-                    let t0 = Instant::now();
-                    b.try_execute(&plan, &mut report)?;
-                    let wall = t0.elapsed().as_nanos() as f64;
-                    if rep > 0 {
-                        d.push(report.duration.0);
-                        gaps.push((wall - report.duration.0 as f64).max(0.0));
-                    }
-                }
-                let med = median(&mut d.iter().map(|&x| x as f64).collect::<Vec<_>>());
+                let pt = sw.decode_point(bsz, kv, q)?;
                 log(&format!(
                     "decode B={bsz} kv={kv} q={q}: {:.2} ms",
-                    med / 1e6
+                    pt.median_ns / 1e6
                 ));
-                decode.push(DecodePoint {
-                    batch: bsz,
-                    kv_tokens: kv,
-                    query_tokens: q,
-                    durations_ns: d,
-                    median_ns: med,
-                    host_gap_ns: median(&mut gaps),
-                });
+                decode.push(pt);
             }
         }
     }
@@ -495,22 +547,23 @@ fn decode_steps(sweep: &Sweep, experts: &Option<ActiveExpertTerm>) -> (Vec<Vec<f
     (x, y)
 }
 
-/// Fits both models. `moe_share` and the reference imbalances are not identifiable from a
-/// single-GPU sweep at imbalance 1.0: they are kept at the published profile's values.
-pub fn fit(
+/// The prefill fit at the best ramp: the model with its features, targets and coefficients
+/// (for the residuals).
+struct PrefillFit {
+    model: PrefillCostModel,
+    x: Vec<Vec<f64>>,
+    y: Vec<f64>,
+    c: Vec<f64>,
+}
+
+/// Fits the prefill model once per ramp candidate (none, and every swept chunk size) and
+/// keeps the one with the smallest weighted residual.
+fn fit_prefill(
     sweep: &Sweep,
     encoder_layers: usize,
     decoder_layers: usize,
-    swap_in_bytes_per_s: f64,
-) -> Fit {
-    // The active-expert terms need the model's expert count (old sweeps did not save it).
-    let experts = (sweep.experts > 0 && sweep.top_k > 0 && sweep.top_k <= sweep.experts).then_some(
-        ActiveExpertTerm {
-            per_expert_ns: 0.0,
-            experts: sweep.experts as u32,
-            top_k: sweep.top_k as u32,
-        },
-    );
+    experts: &Option<ActiveExpertTerm>,
+) -> PrefillFit {
     let (pshapes, py) = prefill_steps(sweep, encoder_layers, decoder_layers);
     // The ramp candidates: none, and every swept chunk size (ascending, so ties keep the
     // smaller ramp).
@@ -524,7 +577,7 @@ pub fn fit(
     for ramp in ramps {
         let px: Vec<Vec<f64>> = pshapes
             .iter()
-            .map(|c| prefill_features(c, ramp, &experts))
+            .map(|c| prefill_features(c, ramp, experts))
             .collect();
         let pc = fit_nonneg(&px, &py);
         let sse = weighted_sse(&px, &py, &pc);
@@ -535,7 +588,7 @@ pub fn fit(
     let (_, ramp, px, mut pc) = best.unwrap_or((0.0, 0.0, Vec::new(), Vec::new()));
     // An empty sweep fits nothing: zero coefficients (the profile then fails validation).
     pc.resize(5, 0.0);
-    let prefill = PrefillCostModel {
+    let model = PrefillCostModel {
         base_ns: pc[0],
         per_layer_token_ns: pc[1].max(1e-6),
         per_layer_token_ctx_ns: pc[2],
@@ -548,6 +601,20 @@ pub fn fit(
             ..a.clone()
         }),
     };
+    PrefillFit {
+        model,
+        x: px,
+        y: py,
+        c: pc,
+    }
+}
+
+/// The decode model fitted to the sweep's decode points and workload steps, with its
+/// features, targets and coefficients.
+fn fit_decode(
+    sweep: &Sweep,
+    experts: Option<ActiveExpertTerm>,
+) -> (DecodeTimeModel, Vec<Vec<f64>>, Vec<f64>, Vec<f64>) {
     let (dx, dy) = decode_steps(sweep, &experts);
     let mut dc = fit_nonneg(&dx, &dy);
     dc.resize(7, 0.0);
@@ -566,15 +633,39 @@ pub fn fit(
             ..a
         }),
     };
+    (decode, dx, dy, dc)
+}
+
+/// (measured, fitted) of every point.
+fn residuals(x: &[Vec<f64>], y: &[f64], c: &[f64]) -> Vec<(f64, f64)> {
     let dot = |f: &[f64], c: &[f64]| f.iter().zip(c).map(|(a, b)| a * b).sum::<f64>();
-    let prefill_residuals = px.iter().zip(&py).map(|(f, &y)| (y, dot(f, &pc))).collect();
-    let decode_residuals = dx.iter().zip(&dy).map(|(f, &y)| (y, dot(f, &dc))).collect();
+    x.iter().zip(y).map(|(f, &y)| (y, dot(f, c))).collect()
+}
+
+/// Fits both models. `moe_share` and the reference imbalances are not identifiable from a
+/// single-GPU sweep at imbalance 1.0: they are kept at the published profile's values.
+pub fn fit(
+    sweep: &Sweep,
+    encoder_layers: usize,
+    decoder_layers: usize,
+    swap_in_bytes_per_s: f64,
+) -> Fit {
+    // The active-expert terms need the model's expert count (old sweeps did not save it).
+    let experts = (sweep.experts > 0 && sweep.top_k > 0 && sweep.top_k <= sweep.experts).then_some(
+        ActiveExpertTerm {
+            per_expert_ns: 0.0,
+            experts: sweep.experts as u32,
+            top_k: sweep.top_k as u32,
+        },
+    );
+    let pf = fit_prefill(sweep, encoder_layers, decoder_layers, &experts);
+    let (decode, dx, dy, dc) = fit_decode(sweep, experts);
     let mut gaps: Vec<f64> = sweep.decode.iter().map(|d| d.host_gap_ns).collect();
     Fit {
-        prefill,
+        prefill: pf.model,
         decode,
-        prefill_residuals,
-        decode_residuals,
+        prefill_residuals: residuals(&pf.x, &pf.y, &pf.c),
+        decode_residuals: residuals(&dx, &dy, &dc),
         swap_in_bytes_per_s,
         sync_gap_ns: median(&mut gaps),
     }
@@ -593,10 +684,8 @@ pub struct ProfileHeader {
     pub notes: Vec<String>,
 }
 
-/// The profile text: comments (provenance, fit, residuals), then the sections the simulator's
-/// `HardwareProfile` reads.
-pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
-    let mut s = String::new();
+/// The comment lines on where the profile comes from and what the fit keeps fixed.
+fn push_provenance(s: &mut String, h: &ProfileHeader) {
     s.push_str(&format!(
         "# Hardware profile measured on {} (driver {}), {}, commit {}.\n",
         h.gpu, h.driver, h.date, h.commit
@@ -621,6 +710,10 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
     if !h.notes.is_empty() {
         s.push_str("#\n");
     }
+}
+
+/// The prefill model's form and the grid's measured and fitted times, as comments.
+fn push_prefill_residuals(s: &mut String, fit: &Fit, sweep: &Sweep) {
     s.push_str("# PREFILL  t = base + sum over chunks L_enc(a n + b ramp(N) n (p + n/2)) + L_dec(a r + b r^2/2 + x r (p + n))\n");
     s.push_str("#              + c_exp (L_enc A(N) + L_dec A(R)),\n");
     s.push_str(&format!(
@@ -642,6 +735,10 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
             100.0 * (f / y - 1.0)
         ));
     }
+}
+
+/// The decode model's form and the grid's measured and fitted times, as comments.
+fn push_decode_residuals(s: &mut String, fit: &Fit, sweep: &Sweep) {
     s.push_str("#\n# DECODE  t = base + c_seq B + c_kv sum(KV) + c_maxkv max(KV) + c_tok N + c_sq N^2 + c_exp E (1 - (1 - k/E)^N)\n");
     s.push_str("#   B     KV  q    measured ms  fitted ms  error\n");
     for (pt, (y, f)) in sweep.decode.iter().zip(&fit.decode_residuals) {
@@ -655,11 +752,18 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
             100.0 * (f / y - 1.0)
         ));
     }
-    let rel = |v: &[(f64, f64)]| -> (f64, f64) {
-        let mut e: Vec<f64> = v.iter().map(|(y, f)| (f / y - 1.0).abs()).collect();
-        let mx = e.iter().cloned().fold(0.0, f64::max);
-        (median(&mut e), mx)
-    };
+}
+
+/// Median and max |relative error| of (measured, fitted) pairs.
+fn relative_errors(v: &[(f64, f64)]) -> (f64, f64) {
+    let mut e: Vec<f64> = v.iter().map(|(y, f)| (f / y - 1.0).abs()).collect();
+    let mx = e.iter().cloned().fold(0.0, f64::max);
+    (median(&mut e), mx)
+}
+
+/// The error summary comments: on the grid, then on the calibration workload's steps (the
+/// residuals after the grid's) when one ran.
+fn push_error_summary(s: &mut String, fit: &Fit, sweep: &Sweep) {
     let (ng_p, ng_d) = (sweep.prefill.len(), sweep.decode.len());
     let (pg, pw) = fit
         .prefill_residuals
@@ -667,8 +771,8 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
     let (dg, dw) = fit
         .decode_residuals
         .split_at(ng_d.min(fit.decode_residuals.len()));
-    let (pm, px) = rel(pg);
-    let (dm, dx) = rel(dg);
+    let (pm, px) = relative_errors(pg);
+    let (dm, dx) = relative_errors(dg);
     s.push_str(&format!(
         "#\n# |relative error| on the grid: prefill median {:.1}% max {:.1}%; decode median {:.1}% max {:.1}%\n",
         pm * 100.0,
@@ -677,8 +781,8 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
         dx * 100.0
     ));
     if let Some(seed) = sweep.workload_seed {
-        let (wpm, wpx) = rel(pw);
-        let (wdm, wdx) = rel(dw);
+        let (wpm, wpx) = relative_errors(pw);
+        let (wdm, wdx) = relative_errors(dw);
         s.push_str(&format!(
             "# calibration workload (the conformance config under seed {seed}, fitted with the grid): {} prefill steps, |error| median {:.1}% max {:.1}%; {} decode steps, median {:.1}% max {:.1}%\n",
             pw.len(),
@@ -689,13 +793,10 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
             wdx * 100.0
         ));
     }
-    s.push_str("# transfer: swap_in_bytes_per_s = the gather kernel over mapped pinned memory;\n");
-    s.push_str("# sync_gap = median host time of a decode step outside its event-timed span.\n");
-    s.push_str(&format!("name = \"{}\"\n", h.name));
-    s.push_str(&format!(
-        "description = \"Measured on {} with the servelab-hw CudaBackend ({}); see comments\"\n\n",
-        h.gpu, h.date
-    ));
+}
+
+/// The `[prefill]`, `[decode]` and `[transfer]` sections (and their active-expert tables).
+fn push_sections(s: &mut String, fit: &Fit) {
     let p = &fit.prefill;
     s.push_str(&format!(
         "[prefill]\nbase_ns = {:.1}\nper_layer_token_ns = {:.6}\nper_layer_token_ctx_ns = {:.9}\nattention_ramp_tokens = {:.1}\nper_layer_replay_ctx_ns = {:.9}\nmoe_share = {}\nreference_imbalance = {}\n\n",
@@ -723,6 +824,24 @@ pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
         fit.swap_in_bytes_per_s,
         (fit.sync_gap_ns / 1e3).round() as u64
     ));
+}
+
+/// The profile text: comments (provenance, fit, residuals), then the sections the simulator's
+/// `HardwareProfile` reads.
+pub fn profile_toml(fit: &Fit, sweep: &Sweep, h: &ProfileHeader) -> String {
+    let mut s = String::new();
+    push_provenance(&mut s, h);
+    push_prefill_residuals(&mut s, fit, sweep);
+    push_decode_residuals(&mut s, fit, sweep);
+    push_error_summary(&mut s, fit, sweep);
+    s.push_str("# transfer: swap_in_bytes_per_s = the gather kernel over mapped pinned memory;\n");
+    s.push_str("# sync_gap = median host time of a decode step outside its event-timed span.\n");
+    s.push_str(&format!("name = \"{}\"\n", h.name));
+    s.push_str(&format!(
+        "description = \"Measured on {} with the servelab-hw CudaBackend ({}); see comments\"\n\n",
+        h.gpu, h.date
+    ));
+    push_sections(&mut s, fit);
     s
 }
 

@@ -170,81 +170,8 @@ fn read(path: &std::path::Path) -> Result<String, CommandError> {
 /// the same plans.
 pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError> {
     match cmd {
-        HwCommand::Refit {
-            sweep,
-            out,
-            record,
-            decode_offset_fraction,
-            report_dir,
-            prefix,
-            name,
-            gpu,
-            driver,
-            date,
-            commit,
-        } => {
-            if !(0.0..=1.0).contains(&decode_offset_fraction) {
-                return Err(CommandError::Failed(
-                    "--decode-offset-fraction must be in [0, 1]".into(),
-                ));
-            }
-            let o = RefitOptions {
-                sweep: sweep.clone(),
-                record: record.clone(),
-                decode_offset_fraction,
-                out: out.clone(),
-                name,
-                gpu,
-                driver,
-                date,
-                commit,
-            };
-            let r = commands::refit(&o)?;
-            println!(
-                "wrote {} (decode engine offset {:.3} ms)",
-                out.display(),
-                r.decode_offset_ns / 1e6
-            );
-            if let Some(rec) = record {
-                // The re-analysis needs the simulator: `servelab hw refit` does it
-                // (servelab-experiments); here the record only set the decode offset.
-                println!(
-                    "decode offset from {} (steps 0..{}); re-analyse with `servelab hw \
-                     conformance CONFIG --record {} --profile {}` (report in {}{prefix})",
-                    rec.display(),
-                    r.fit_steps,
-                    rec.display(),
-                    out.display(),
-                    report_dir.display()
-                );
-            }
-        }
-        HwCommand::Calibrate {
-            out,
-            sweep_out,
-            quick,
-            name,
-            date,
-            commit,
-            driver,
-            workload,
-            workload_seed,
-        } => {
-            let o = CalibrateOptions {
-                out: out.clone(),
-                sweep_out,
-                quick,
-                name,
-                date,
-                commit,
-                driver,
-                workload,
-                workload_seed,
-            };
-            let text = commands::calibrate(gpu()?, &o, log)?;
-            println!("{text}");
-            println!("wrote {}", out.display());
-        }
+        HwCommand::Refit { .. } => refit(cmd),
+        HwCommand::Calibrate { .. } => calibrate(cmd, log),
         HwCommand::Conformance {
             config,
             out,
@@ -252,66 +179,8 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
             record: None,
             dry_run: true,
             ..
-        } => {
-            let text = read(&config)?;
-            let file = ConformanceFile::parse(&text, &config.display().to_string())?;
-            let spec = profile.unwrap_or_else(|| file.conformance.profile.clone());
-            let ptext = commands::profile_text(&spec)?;
-            let mut rec = dry_run(&file, &ptext)?;
-            rec.config = text;
-            commands::write(
-                &out,
-                "dry-run-record.json.gz",
-                &serde_json::to_string(&rec).unwrap_or_default(),
-            )?;
-            let run = rec.run;
-            let pre = run
-                .steps
-                .iter()
-                .filter(|s| matches!(s.plan, StepPlan::Prefill(_)))
-                .count();
-            println!(
-                "dry run: {} requests, {} steps ({pre} prefill), {:.1} ms of simulated device time (record: {}/dry-run-record.json.gz)",
-                run.requests.len(),
-                run.steps.len(),
-                run.end_ns as f64 / 1e6,
-                out.display()
-            );
-        }
-        HwCommand::Conformance {
-            config,
-            out,
-            profile,
-            record,
-            clock,
-            date,
-            commit,
-            prefix,
-            ..
-        } => {
-            let o = ConformanceOptions {
-                config,
-                out,
-                profile,
-                record,
-                clock,
-                date,
-                commit,
-                prefix,
-            };
-            let (_, check) = commands::conformance(&o, log)?;
-            println!(
-                "{} plans, {} mismatched in the replay (the comparison with the simulator: \
-                 `servelab hw conformance --record`)",
-                check.recorded_steps, check.mismatched_steps
-            );
-            if check.mismatched_steps > 0 {
-                return Err(CommandError::Failed(format!(
-                    "{} of {} plans differ between the GPU run and its replay",
-                    check.mismatched_steps, check.recorded_steps
-                )));
-            }
-        }
+        } => conformance_dry_run(&config, &out, profile),
+        HwCommand::Conformance { .. } => conformance(cmd, log),
         HwCommand::Speed {
             quick,
             seed,
@@ -321,6 +190,7 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
             let g = gpu()?;
             let md = commands::speed(&g, quick, seed, out.as_deref(), &date, log)?;
             println!("{md}");
+            Ok(())
         }
         HwCommand::Check {
             quick,
@@ -330,7 +200,172 @@ pub fn run(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError
         } => {
             let md = commands::check(gpu()?, seed, quick, out.as_deref(), &date)?;
             println!("{md}");
+            Ok(())
         }
+    }
+}
+
+/// `refit`: the profile from a saved sweep (a record sets its decode offset), then how to
+/// re-analyse the record with it.
+fn refit(cmd: HwCommand) -> Result<(), CommandError> {
+    let HwCommand::Refit {
+        sweep,
+        out,
+        record,
+        decode_offset_fraction,
+        report_dir,
+        prefix,
+        name,
+        gpu,
+        driver,
+        date,
+        commit,
+    } = cmd
+    else {
+        unreachable!("run passes only refit commands here");
+    };
+    if !(0.0..=1.0).contains(&decode_offset_fraction) {
+        return Err(CommandError::Failed(
+            "--decode-offset-fraction must be in [0, 1]".into(),
+        ));
+    }
+    let o = RefitOptions {
+        sweep: sweep.clone(),
+        record: record.clone(),
+        decode_offset_fraction,
+        out: out.clone(),
+        name,
+        gpu,
+        driver,
+        date,
+        commit,
+    };
+    let r = commands::refit(&o)?;
+    println!(
+        "wrote {} (decode engine offset {:.3} ms)",
+        out.display(),
+        r.decode_offset_ns / 1e6
+    );
+    if let Some(rec) = record {
+        // The re-analysis needs the simulator: `servelab hw refit` does it
+        // (servelab-experiments); here the record only set the decode offset.
+        println!(
+            "decode offset from {} (steps 0..{}); re-analyse with `servelab hw \
+             conformance CONFIG --record {} --profile {}` (report in {}{prefix})",
+            rec.display(),
+            r.fit_steps,
+            rec.display(),
+            out.display(),
+            report_dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// `calibrate`: sweeps the GPU, prints the profile and where it went.
+fn calibrate(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError> {
+    let HwCommand::Calibrate {
+        out,
+        sweep_out,
+        quick,
+        name,
+        date,
+        commit,
+        driver,
+        workload,
+        workload_seed,
+    } = cmd
+    else {
+        unreachable!("run passes only calibrate commands here");
+    };
+    let o = CalibrateOptions {
+        out: out.clone(),
+        sweep_out,
+        quick,
+        name,
+        date,
+        commit,
+        driver,
+        workload,
+        workload_seed,
+    };
+    let text = commands::calibrate(gpu()?, &o, log)?;
+    println!("{text}");
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// `conformance --dry-run`: free-runs the cost model over the config's workload and writes
+/// the record (no GPU).
+fn conformance_dry_run(
+    config: &std::path::Path,
+    out: &std::path::Path,
+    profile: Option<String>,
+) -> Result<(), CommandError> {
+    let text = read(config)?;
+    let file = ConformanceFile::parse(&text, &config.display().to_string())?;
+    let spec = profile.unwrap_or_else(|| file.conformance.profile.clone());
+    let ptext = commands::profile_text(&spec)?;
+    let mut rec = dry_run(&file, &ptext)?;
+    rec.config = text;
+    commands::write(
+        out,
+        "dry-run-record.json.gz",
+        &serde_json::to_string(&rec).unwrap_or_default(),
+    )?;
+    let run = rec.run;
+    let pre = run
+        .steps
+        .iter()
+        .filter(|s| matches!(s.plan, StepPlan::Prefill(_)))
+        .count();
+    println!(
+        "dry run: {} requests, {} steps ({pre} prefill), {:.1} ms of simulated device time (record: {}/dry-run-record.json.gz)",
+        run.requests.len(),
+        run.steps.len(),
+        run.end_ns as f64 / 1e6,
+        out.display()
+    );
+    Ok(())
+}
+
+/// `conformance`: the GPU run (or a record) replayed plan by plan; fails on a mismatch.
+fn conformance(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError> {
+    let HwCommand::Conformance {
+        config,
+        out,
+        profile,
+        record,
+        clock,
+        date,
+        commit,
+        prefix,
+        ..
+    } = cmd
+    else {
+        unreachable!("run passes only conformance commands here");
+    };
+    let o = ConformanceOptions {
+        config,
+        out,
+        profile,
+        record,
+        clock,
+        date,
+        commit,
+        prefix,
+    };
+    let (_, check) = commands::conformance(&o, log)?;
+    println!(
+        "{} plans, {} mismatched in the replay (the comparison with the simulator: \
+         `servelab hw conformance --record`)",
+        check.recorded_steps, check.mismatched_steps
+    );
+    if check.mismatched_steps > 0 {
+        return Err(CommandError::Failed(format!(
+            "{} of {} plans differ between the GPU run and its replay",
+            check.mismatched_steps, check.recorded_steps
+        )));
     }
     Ok(())
 }

@@ -180,6 +180,142 @@ pub fn profile_text(spec: &str) -> Result<String, CommandError> {
     Ok(text)
 }
 
+/// A calibration workload's config: where it came from, its text and the parsed file.
+type WorkloadConfig = (String, String, ConformanceFile);
+
+fn read_workload_config(path: Option<&Path>) -> Result<Option<WorkloadConfig>, CommandError> {
+    let Some(path) = path else {
+        return Ok(None);
+    };
+    let origin = path.display().to_string();
+    let config_text = read(path)?;
+    let file = ConformanceFile::parse(&config_text, &origin)?;
+    Ok(Some((origin, config_text, file)))
+}
+
+/// Swap-in rate (bytes/s) of SPEC-sized blocks (128 tokens x 890 B), gather kernel over
+/// mapped pinned memory: the path the backend uses. A failed measurement is logged and the
+/// rate falls back to 50 GB/s.
+fn measure_swap_in_rate(b: &CudaBackend, quick: bool, log: &mut dyn FnMut(&str)) -> f64 {
+    match speed::measure_swap(b.gpu(), 128 * 890, if quick { 64 } else { 2048 }, 5, 1) {
+        Ok((r, _)) => r
+            .iter()
+            .find(|r| r.what.contains("gather"))
+            .map(|r| r.rate * 1e9),
+        Err(e) => {
+            log(&format!("swap measurement failed: {e}"));
+            None
+        }
+    }
+    .unwrap_or(5.0e10)
+}
+
+/// Runs the calibration workload into `sweep` on a backend of its own: the grid's backend `b`
+/// goes first (one backend at a time). Fails when the workload's model is not the calibrated
+/// model `m`.
+fn add_calibration_workload(
+    gpu: &Arc<GpuContext>,
+    b: CudaBackend,
+    (origin, config_text, file): WorkloadConfig,
+    o: &CalibrateOptions,
+    m: &ModelShape,
+    sweep: &mut calibrate::Sweep,
+    log: &mut dyn FnMut(&str),
+) -> Result<(), CommandError> {
+    if file.backend.model != *m {
+        return Err(CommandError::Failed(format!(
+            "{origin}: [backend.model] differs from the calibrated model; the workload's \
+             steps would describe another model"
+        )));
+    }
+    let w = calibrate::CalibrationWorkload {
+        profile_text: profile_text(&file.conformance.profile)?,
+        seed: match o.workload_seed {
+            Some(s) => s,
+            None => file.seed()?.wrapping_add(1),
+        },
+        config_text,
+        origin,
+    };
+    // One backend at a time: the grid's pools go before the workload's are made.
+    drop(b);
+    let t1 = Instant::now();
+    calibrate::add_workload(gpu.clone(), sweep, &w)?;
+    log(&format!(
+        "calibration workload (seed {}): {} steps in {:.1} s",
+        w.seed,
+        sweep.workload.len(),
+        t1.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
+/// The model line of a profile's header.
+fn model_summary(m: &ModelShape) -> String {
+    format!(
+        "{}+{} layers, hidden {}, {} kv heads x {} x d {}, {} experts top-{} ffn {}",
+        m.encoder_layers,
+        m.decoder_layers,
+        m.hidden,
+        m.kv_heads,
+        m.group,
+        m.head_dim,
+        m.experts,
+        m.top_k,
+        m.expert_ffn
+    )
+}
+
+/// The header of a freshly calibrated profile: this GPU, its driver, the options' facts.
+fn calibrated_header(
+    gpu: &GpuContext,
+    o: &CalibrateOptions,
+    m: &ModelShape,
+) -> calibrate::ProfileHeader {
+    calibrate::ProfileHeader {
+        name: o.name.clone(),
+        gpu: gpu.name(),
+        driver: format!(
+            "{}, CUDA driver API {}",
+            o.driver.clone().unwrap_or_else(|| "unknown".into()),
+            gpu.driver_version()
+        ),
+        date: o.date.clone(),
+        commit: o.commit.clone(),
+        model: model_summary(m),
+        notes: Vec::new(),
+    }
+}
+
+/// Writes the profile to `o.out` and the raw sweep with its config, model and fit next to it
+/// (or to `o.sweep_out`).
+fn write_calibration(
+    o: &CalibrateOptions,
+    text: &str,
+    json: &serde_json::Value,
+) -> Result<(), CommandError> {
+    let dir = o.out.parent().unwrap_or(Path::new("."));
+    let name = o
+        .out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "profile.toml".into());
+    write(dir, &name, text)?;
+    let sweep_path = o
+        .sweep_out
+        .clone()
+        .unwrap_or_else(|| o.out.with_extension("sweep.json.gz"));
+    write(
+        sweep_path.parent().unwrap_or(Path::new(".")),
+        &sweep_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "sweep.json".into()),
+        &serde_json::to_string_pretty(json).unwrap_or_default(),
+    )?;
+    Ok(())
+}
+
 /// Sweeps step shapes through the CUDA backend, fits the profile and writes it. Returns the
 /// profile text.
 pub fn calibrate(
@@ -196,15 +332,7 @@ pub fn calibrate(
     });
     // With a calibration workload the grid runs on the workload's model (its
     // `[backend.model]`), so grid points and workload steps describe one model.
-    let workload = match &o.workload {
-        Some(path) => {
-            let origin = path.display().to_string();
-            let config_text = read(path)?;
-            let file = ConformanceFile::parse(&config_text, &origin)?;
-            Some((origin, config_text, file))
-        }
-        None => None,
-    };
+    let workload = read_workload_config(o.workload.as_deref())?;
     let model = match &workload {
         Some((_, _, file)) if !o.quick => file.backend.model.clone(),
         _ => bench_model(o.quick),
@@ -221,97 +349,17 @@ pub fn calibrate(
         calibrate::CalibrateConfig::full()
     };
     let mut sweep = calibrate::sweep(&mut b, &cfg, &mut *log)?;
-    // Swap-in rate of SPEC-sized blocks (128 tokens x 890 B), gather kernel over mapped
-    // pinned memory: the path the backend uses.
-    let swap = match speed::measure_swap(b.gpu(), 128 * 890, if o.quick { 64 } else { 2048 }, 5, 1)
-    {
-        Ok((r, _)) => r
-            .iter()
-            .find(|r| r.what.contains("gather"))
-            .map(|r| r.rate * 1e9),
-        Err(e) => {
-            log(&format!("swap measurement failed: {e}"));
-            None
-        }
-    }
-    .unwrap_or(5.0e10);
+    let swap = measure_swap_in_rate(&b, o.quick, log);
     let m = b.config().model.clone();
-    if let Some((origin, config_text, file)) = workload {
-        if file.backend.model != m {
-            return Err(CommandError::Failed(format!(
-                "{origin}: [backend.model] differs from the calibrated model; the workload's \
-                 steps would describe another model"
-            )));
-        }
-        let w = calibrate::CalibrationWorkload {
-            profile_text: profile_text(&file.conformance.profile)?,
-            seed: match o.workload_seed {
-                Some(s) => s,
-                None => file.seed()?.wrapping_add(1),
-            },
-            config_text,
-            origin,
-        };
-        // One backend at a time: the grid's pools go before the workload's are made.
-        drop(b);
-        let t1 = Instant::now();
-        calibrate::add_workload(gpu.clone(), &mut sweep, &w)?;
-        log(&format!(
-            "calibration workload (seed {}): {} steps in {:.1} s",
-            w.seed,
-            sweep.workload.len(),
-            t1.elapsed().as_secs_f64()
-        ));
-    } else {
-        drop(b);
+    match workload {
+        Some(w) => add_calibration_workload(&gpu, b, w, o, &m, &mut sweep, log)?,
+        None => drop(b),
     }
     let fit = calibrate::fit(&sweep, m.encoder_layers, m.decoder_layers, swap);
-    let g = &gpu;
-    let header = calibrate::ProfileHeader {
-        name: o.name.clone(),
-        gpu: g.name(),
-        driver: format!(
-            "{}, CUDA driver API {}",
-            o.driver.clone().unwrap_or_else(|| "unknown".into()),
-            g.driver_version()
-        ),
-        date: o.date.clone(),
-        commit: o.commit.clone(),
-        model: format!(
-            "{}+{} layers, hidden {}, {} kv heads x {} x d {}, {} experts top-{} ffn {}",
-            m.encoder_layers,
-            m.decoder_layers,
-            m.hidden,
-            m.kv_heads,
-            m.group,
-            m.head_dim,
-            m.experts,
-            m.top_k,
-            m.expert_ffn
-        ),
-        notes: Vec::new(),
-    };
+    let header = calibrated_header(&gpu, o, &m);
     let text = calibrate::profile_toml(&fit, &sweep, &header);
-    let dir = o.out.parent().unwrap_or(Path::new("."));
-    let name = o
-        .out
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "profile.toml".into());
-    write(dir, &name, &text)?;
-    let sweep_path = o
-        .sweep_out
-        .clone()
-        .unwrap_or_else(|| o.out.with_extension("sweep.json.gz"));
     let json = serde_json::json!({"config": cfg, "model": m, "sweep": sweep, "fit": fit});
-    write(
-        sweep_path.parent().unwrap_or(Path::new(".")),
-        &sweep_path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "sweep.json".into()),
-        &serde_json::to_string_pretty(&json).unwrap_or_default(),
-    )?;
+    write_calibration(o, &text, &json)?;
     log(&format!(
         "calibration done in {:.1} s",
         t0.elapsed().as_secs_f64()
@@ -350,15 +398,13 @@ pub struct Refit {
     pub fit_steps: usize,
 }
 
-/// Re-fits a profile from a saved sweep: the cost-model forms of [`calibrate::fit`], the
-/// transfer rates and model shape the sweep recorded, and, given a record, the decode engine
-/// offset ([`conformance::decode_offset_ns`]) from the record's first decode steps.
-pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
+/// The sweep, model and swap-in rate (bytes/s) a calibration saved.
+fn read_saved_sweep(path: &Path) -> Result<(calibrate::Sweep, ModelShape, f64), CommandError> {
     let json_err = |cause| CommandError::Json {
-        path: o.sweep.clone(),
+        path: path.to_path_buf(),
         cause,
     };
-    let v: serde_json::Value = serde_json::from_str(&read(&o.sweep)?).map_err(json_err)?;
+    let v: serde_json::Value = serde_json::from_str(&read(path)?).map_err(json_err)?;
     let mut sweep: calibrate::Sweep =
         serde_json::from_value(v["sweep"].clone()).map_err(json_err)?;
     let m: ModelShape = serde_json::from_value(v["model"].clone()).map_err(json_err)?;
@@ -369,9 +415,60 @@ pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
     let swap = v["fit"]["swap_in_bytes_per_s"].as_f64().ok_or_else(|| {
         CommandError::Failed(format!(
             "{}: fit.swap_in_bytes_per_s missing",
-            o.sweep.display()
+            path.display()
         ))
     })?;
+    Ok((sweep, m, swap))
+}
+
+/// Adds the decode engine offset of the record at `path` (its first `fraction` of decode
+/// steps against the sweep-only fit) to the fit's decode base and residuals, with header
+/// notes saying so. Returns the offset and the first held-out step.
+fn apply_decode_offset(
+    path: &Path,
+    fraction: f64,
+    fit: &mut calibrate::Fit,
+    sweep: &calibrate::Sweep,
+    header: &mut calibrate::ProfileHeader,
+) -> Result<(f64, usize), CommandError> {
+    let record: Record =
+        serde_json::from_str(&read(path)?).map_err(|cause| CommandError::Json {
+            path: path.to_path_buf(),
+            cause,
+        })?;
+    let text = calibrate::profile_toml(fit, sweep, header);
+    let sweep_only = parse_profile(&text, "refit")?;
+    let split = conformance::decode_split(&record.run.steps, fraction);
+    let offset = conformance::decode_offset_ns(&sweep_only.decode, &record.run.steps[..split]);
+    fit.decode.base_ns = (fit.decode.base_ns + offset).max(0.0);
+    for r in &mut fit.decode_residuals {
+        r.1 += offset;
+    }
+    header.notes.push(format!(
+        "Decode base includes an engine offset of {:+.3} ms: the median of measured - predicted over",
+        offset / 1e6
+    ));
+    header.notes.push(format!(
+        "the first {:.0}% of the decode steps (run steps 0..{split}) of the conformance record {}",
+        100.0 * fraction,
+        file_name(path)
+    ));
+    header.notes.push(
+        "(the engine loop's decode steps run slower than isolated sweep steps of the same shape); the"
+            .into(),
+    );
+    header.notes.push(
+        "decode residuals below include it. The rest of that record is held out for evaluation."
+            .into(),
+    );
+    Ok((offset, split))
+}
+
+/// Re-fits a profile from a saved sweep: the cost-model forms of [`calibrate::fit`], the
+/// transfer rates and model shape the sweep recorded, and, given a record, the decode engine
+/// offset ([`conformance::decode_offset_ns`]) from the record's first decode steps.
+pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
+    let (sweep, m, swap) = read_saved_sweep(&o.sweep)?;
     let mut fit = calibrate::fit(&sweep, m.encoder_layers, m.decoder_layers, swap);
     let mut header = calibrate::ProfileHeader {
         name: o.name.clone(),
@@ -379,56 +476,22 @@ pub fn refit(o: &RefitOptions) -> Result<Refit, CommandError> {
         driver: o.driver.clone(),
         date: o.date.clone(),
         commit: o.commit.clone(),
-        model: format!(
-            "{}+{} layers, hidden {}, {} kv heads x {} x d {}, {} experts top-{} ffn {}",
-            m.encoder_layers,
-            m.decoder_layers,
-            m.hidden,
-            m.kv_heads,
-            m.group,
-            m.head_dim,
-            m.experts,
-            m.top_k,
-            m.expert_ffn
-        ),
+        model: model_summary(&m),
         notes: vec![format!(
             "Re-fitted offline (`hw::commands::refit`) from the saved sweep {}.",
             file_name(&o.sweep)
         )],
     };
-    let (mut offset, mut split) = (0.0, 0);
-    if let Some(path) = &o.record {
-        let record: Record =
-            serde_json::from_str(&read(path)?).map_err(|cause| CommandError::Json {
-                path: path.clone(),
-                cause,
-            })?;
-        let text = calibrate::profile_toml(&fit, &sweep, &header);
-        let sweep_only = parse_profile(&text, "refit")?;
-        split = conformance::decode_split(&record.run.steps, o.decode_offset_fraction);
-        offset = conformance::decode_offset_ns(&sweep_only.decode, &record.run.steps[..split]);
-        fit.decode.base_ns = (fit.decode.base_ns + offset).max(0.0);
-        for r in &mut fit.decode_residuals {
-            r.1 += offset;
-        }
-        header.notes.push(format!(
-            "Decode base includes an engine offset of {:+.3} ms: the median of measured - predicted over",
-            offset / 1e6
-        ));
-        header.notes.push(format!(
-            "the first {:.0}% of the decode steps (run steps 0..{split}) of the conformance record {}",
-            100.0 * o.decode_offset_fraction,
-            file_name(path)
-        ));
-        header.notes.push(
-            "(the engine loop's decode steps run slower than isolated sweep steps of the same shape); the"
-                .into(),
-        );
-        header.notes.push(
-            "decode residuals below include it. The rest of that record is held out for evaluation."
-                .into(),
-        );
-    }
+    let (offset, split) = match &o.record {
+        Some(path) => apply_decode_offset(
+            path,
+            o.decode_offset_fraction,
+            &mut fit,
+            &sweep,
+            &mut header,
+        )?,
+        None => (0.0, 0),
+    };
     let text = calibrate::profile_toml(&fit, &sweep, &header);
     parse_profile(&text, "refit")?;
     let dir = o.out.parent().unwrap_or(Path::new("."));
@@ -601,22 +664,15 @@ pub fn speed(
     Ok(md)
 }
 
-/// Kernel checks against the CPU references (after compiling every variant) and the backend's
-/// cache-hit and replay checks; writes `test-report.*` and `backend-check.*`. Fails if any
-/// kernel check fails.
-pub fn check(
-    gpu: Arc<GpuContext>,
+/// The NVRTC compile of every kernel variant and every kernel check against its CPU
+/// reference, appended to `md` (and written as `test-report.*` under `out`). Returns the
+/// failed and total check counts.
+fn kernel_checks(
+    gpu: &Arc<GpuContext>,
     seed: u64,
-    quick: bool,
     out: Option<&Path>,
-    date: &str,
-) -> Result<String, CommandError> {
-    let mut md = report::header(
-        &gpu.name(),
-        gpu.compute_capability(),
-        gpu.driver_version(),
-        date,
-    );
+    md: &mut String,
+) -> Result<(usize, usize), CommandError> {
     let t0 = Instant::now();
     match servelab_kernels::sources::compile_all(gpu.compute_capability()) {
         Ok(v) => md.push_str(&format!(
@@ -626,7 +682,7 @@ pub fn check(
         )),
         Err(e) => md.push_str(&format!("NVRTC compile FAILED: {e}\n\n")),
     }
-    let results = servelab_kernels::check::run_all(&gpu, seed);
+    let results = servelab_kernels::check::run_all(gpu, seed);
     md.push_str(&report::checks_markdown(&results));
     let failed = results
         .iter()
@@ -634,7 +690,7 @@ pub fn check(
         .count();
     md.push_str(&format!("\n{} checks, {failed} failed.\n", results.len()));
     if let Some(dir) = out {
-        write(dir, "test-report.md", &md)?;
+        write(dir, "test-report.md", md)?;
         let json: Vec<serde_json::Value> = results
             .iter()
             .map(|r| match r {
@@ -650,6 +706,16 @@ pub fn check(
             &serde_json::to_string_pretty(&json).unwrap_or_default(),
         )?;
     }
+    Ok((failed, results.len()))
+}
+
+/// The backend's cache-hit and replay checks as a markdown table (also written as
+/// `backend-check.*` under `out`).
+fn backend_checks(
+    gpu: Arc<GpuContext>,
+    quick: bool,
+    out: Option<&Path>,
+) -> Result<String, CommandError> {
     let mut b = bench_backend(gpu, quick, 256)?;
     let prompts: &[(usize, usize)] = if quick {
         &[(300, 256)]
@@ -677,12 +743,32 @@ pub fn check(
             &serde_json::to_string_pretty(&diffs).unwrap_or_default(),
         )?;
     }
+    Ok(bm)
+}
+
+/// Kernel checks against the CPU references (after compiling every variant) and the backend's
+/// cache-hit and replay checks; writes `test-report.*` and `backend-check.*`. Fails if any
+/// kernel check fails.
+pub fn check(
+    gpu: Arc<GpuContext>,
+    seed: u64,
+    quick: bool,
+    out: Option<&Path>,
+    date: &str,
+) -> Result<String, CommandError> {
+    let mut md = report::header(
+        &gpu.name(),
+        gpu.compute_capability(),
+        gpu.driver_version(),
+        date,
+    );
+    let (failed, total) = kernel_checks(&gpu, seed, out, &mut md)?;
+    let bm = backend_checks(gpu, quick, out)?;
     md.push_str("\n## Backend checks\n\n");
     md.push_str(&bm);
     if failed > 0 {
         return Err(CommandError::Failed(format!(
-            "{failed} of {} kernel checks failed\n{md}",
-            results.len()
+            "{failed} of {total} kernel checks failed\n{md}"
         )));
     }
     Ok(md)

@@ -11,7 +11,7 @@ pub mod mla;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
 use half::bf16;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -19,8 +19,8 @@ use rand_chacha::ChaCha8Rng;
 use servelab_core::engine::plan::{PrefillChunk, PrefillPlan, StepPlan, StepReport};
 use servelab_core::ids::{EngineId, RequestId};
 use servelab_kernels::attention::{
-    AttentionKernel, KvLayout, MmaConfig, PagedAttention, PagedAttentionShape, QueryRows,
-    mma_config, random_tables, tiled_tile,
+    AttentionKernel, DeviceRows, KvLayout, MmaConfig, PagedAttention, PagedAttentionShape,
+    QueryRows, mma_config, random_tables, tiled_tile,
 };
 use servelab_kernels::fill::{fill_uniform_bf16, gather_blocks_raw};
 use servelab_kernels::gemm::linear_bf16;
@@ -262,137 +262,172 @@ pub fn measure_gemm_ceiling(
     })
 }
 
-/// Decode over `seqs` sequences of `context` tokens with random block tables.
-#[allow(clippy::too_many_arguments)]
-pub fn measure_decode(
-    gpu: &GpuContext,
-    shape: PagedAttentionShape,
+/// A swept tensor-core tile shape: keys per tile, stages, warps, blocks per SM bound, swizzle,
+/// L2 prefetch, lazy rescale.
+type TileShape = (usize, usize, usize, usize, bool, bool, bool);
+
+/// Tile shapes of the tensor-core decode kernel swept beside its default.
+const MMA_TILE_SWEEP: &[TileShape] = &[
+    (16, 2, 16, 1, false, false, false),
+    (16, 3, 16, 1, true, false, false),
+    (16, 3, 16, 1, true, true, false),
+    (16, 2, 16, 1, true, true, false),
+    (16, 4, 12, 1, true, false, false),
+    (16, 3, 8, 2, true, false, false),
+    (16, 3, 8, 1, true, false, false),
+    (16, 4, 8, 1, true, false, false),
+    (32, 2, 8, 1, true, false, false),
+    (16, 2, 8, 2, false, false, false),
+    (16, 2, 4, 2, true, false, false),
+    // fewer warps with headroom under the register cap (16 warps spill 72 B),
+    // and 32-key tiles on padded rows
+    (16, 2, 12, 1, false, false, false),
+    (16, 2, 16, 1, false, true, false),
+    (32, 2, 8, 1, false, false, false),
+    (32, 2, 6, 1, false, false, false),
+    // the lazy rescale on the best shapes above
+    (16, 2, 16, 1, false, false, true),
+    (16, 2, 16, 1, false, true, true),
+    (16, 2, 16, 1, true, true, true),
+    (16, 3, 16, 1, true, false, true),
+    (16, 2, 12, 1, false, false, true),
+    (16, 2, 8, 2, false, false, true),
+    (32, 2, 8, 1, false, false, true),
+    (16, 2, 4, 2, true, false, true),
+];
+
+/// Tile shapes swept with swapped operands (keys as the MMA's M, query rows as N): half the
+/// MMAs at group <= 8 and half the output registers, so fewer warps with more keys in flight
+/// and deeper rings become affordable.
+const SWAPPED_MMA_TILE_SWEEP: &[TileShape] = &[
+    (16, 2, 16, 1, false, true, true),
+    (16, 2, 16, 1, false, false, true),
+    (16, 2, 16, 1, true, true, true),
+    (16, 3, 16, 1, true, true, true),
+    (32, 2, 8, 1, false, true, true),
+    (32, 2, 8, 2, false, true, true),
+    (32, 3, 8, 1, true, true, true),
+    (16, 4, 8, 1, true, true, true),
+    (16, 2, 8, 2, false, true, true),
+    (32, 2, 4, 4, true, true, true),
+];
+
+/// The tiles a decode measurement sweeps: the tensor-core kernel's default first, then every
+/// swept shape valid at `shape` (each variant is one NVRTC compile); `[None]` for the other
+/// kernels.
+fn decode_tile_options(
     kernel: AttentionKernel,
+    att: &PagedAttention,
+    shape: &PagedAttentionShape,
+) -> Vec<Option<MmaConfig>> {
+    let (AttentionKernel::Mma, Some(default)) = (kernel, att.mma_tiles()) else {
+        return vec![None];
+    };
+    let mut v = vec![Some(default)];
+    let sweep = MMA_TILE_SWEEP
+        .iter()
+        .map(|&t| (t, false))
+        .chain(SWAPPED_MMA_TILE_SWEEP.iter().map(|&t| (t, true)));
+    for (t, swap_operands) in sweep {
+        let (keys_per_tile, stages, warps, min_blocks, swizzle, l2_prefetch, lazy_rescale) = t;
+        let c = MmaConfig {
+            keys_per_tile,
+            stages,
+            warps,
+            min_blocks,
+            swizzle,
+            l2_prefetch,
+            lazy_rescale,
+            swap_operands,
+        };
+        // every block the launch bounds ask for must fit in the SM's shared memory
+        if c != default && c.validate_for(shape) && c.smem_bytes(shape) * min_blocks <= 227 * 1024 {
+            v.push(Some(c));
+        }
+    }
+    v
+}
+
+/// The device side of a decode measurement: random block tables and KV, one query token per
+/// sequence.
+struct DecodeBench {
+    layout: KvLayout,
+    rows: DeviceRows,
+    kv: CudaSlice<bf16>,
+    q: CudaSlice<bf16>,
+    out: CudaSlice<bf16>,
+    scale: f32,
+}
+
+fn decode_bench(
+    gpu: &GpuContext,
+    att: &PagedAttention,
+    shape: &PagedAttentionShape,
     seqs: usize,
     context: usize,
-    reps: usize,
-    copy_gbps: f64,
     seed: u64,
-) -> Result<Rate, KernelError> {
-    let mut att = PagedAttention::new(gpu, shape)?;
-    att.set_kernel(kernel)?;
-    // The tensor-core kernel's tiles are swept too (each variant is one NVRTC compile).
-    let tile_options: Vec<Option<MmaConfig>> = match (kernel, att.mma_tiles()) {
-        (AttentionKernel::Mma, Some(default)) => {
-            let mut v = vec![Some(default)];
-            for t_swap in [
-                (16, 2, 16, 1, false, false, false),
-                (16, 3, 16, 1, true, false, false),
-                (16, 3, 16, 1, true, true, false),
-                (16, 2, 16, 1, true, true, false),
-                (16, 4, 12, 1, true, false, false),
-                (16, 3, 8, 2, true, false, false),
-                (16, 3, 8, 1, true, false, false),
-                (16, 4, 8, 1, true, false, false),
-                (32, 2, 8, 1, true, false, false),
-                (16, 2, 8, 2, false, false, false),
-                (16, 2, 4, 2, true, false, false),
-                // fewer warps with headroom under the register cap (16 warps spill 72 B),
-                // and 32-key tiles on padded rows
-                (16, 2, 12, 1, false, false, false),
-                (16, 2, 16, 1, false, true, false),
-                (32, 2, 8, 1, false, false, false),
-                (32, 2, 6, 1, false, false, false),
-                // the lazy rescale on the best shapes above
-                (16, 2, 16, 1, false, false, true),
-                (16, 2, 16, 1, false, true, true),
-                (16, 2, 16, 1, true, true, true),
-                (16, 3, 16, 1, true, false, true),
-                (16, 2, 12, 1, false, false, true),
-                (16, 2, 8, 2, false, false, true),
-                (32, 2, 8, 1, false, false, true),
-                (16, 2, 4, 2, true, false, true),
-            ]
-            .into_iter()
-            .map(|t| (t, false))
-            .chain(
-                // swapped operands (keys as the MMA's M, query rows as N): half the
-                // MMAs at group <= 8 and half the output registers, so fewer warps with more
-                // keys in flight and deeper rings become affordable
-                [
-                    (16, 2, 16, 1, false, true, true),
-                    (16, 2, 16, 1, false, false, true),
-                    (16, 2, 16, 1, true, true, true),
-                    (16, 3, 16, 1, true, true, true),
-                    (32, 2, 8, 1, false, true, true),
-                    (32, 2, 8, 2, false, true, true),
-                    (32, 3, 8, 1, true, true, true),
-                    (16, 4, 8, 1, true, true, true),
-                    (16, 2, 8, 2, false, true, true),
-                    (32, 2, 4, 4, true, true, true),
-                ]
-                .into_iter()
-                .map(|t| (t, true)),
-            ) {
-                let (
-                    (keys_per_tile, stages, warps, min_blocks, swizzle, l2_prefetch, lazy_rescale),
-                    swap_operands,
-                ) = t_swap;
-                let c = MmaConfig {
-                    keys_per_tile,
-                    stages,
-                    warps,
-                    min_blocks,
-                    swizzle,
-                    l2_prefetch,
-                    lazy_rescale,
-                    swap_operands,
-                };
-                // every block the launch bounds ask for must fit in the SM's shared memory
-                if c != default
-                    && c.validate_for(&shape)
-                    && c.smem_bytes(&shape) * min_blocks <= 227 * 1024
-                {
-                    v.push(Some(c));
-                }
-            }
-            v
-        }
-        _ => vec![None],
-    };
+) -> Result<DecodeBench, KernelError> {
     let blocks_per_seq = context.div_ceil(shape.block_size);
     let num_blocks = seqs * blocks_per_seq;
-    let layout = KvLayout::packed(&shape, num_blocks);
+    let layout = KvLayout::packed(shape, num_blocks);
     let tables = random_tables(seed, seqs, blocks_per_seq, num_blocks);
     let rows = QueryRows::decode(&vec![context; seqs]);
     let d_rows = att.upload(gpu, &layout, &tables, &rows)?;
     let s = &gpu.stream;
-    let mut kv = s.alloc_zeros::<bf16>(layout.min_len(&shape))?;
+    let mut kv = s.alloc_zeros::<bf16>(layout.min_len(shape))?;
     fill_uniform_bf16(gpu, &mut kv, seed, 1.0)?;
     let mut q = s.alloc_zeros::<bf16>(seqs * shape.num_heads() * shape.d_qk)?;
     fill_uniform_bf16(gpu, &mut q, seed + 1, 1.0)?;
-    let mut out = s.alloc_zeros::<bf16>(seqs * shape.num_heads() * shape.d_v)?;
-    let scale = 1.0 / (shape.d_qk as f32).sqrt();
-    let kv_bytes = (seqs * context * shape.num_kv_heads * shape.d_qk * 2) as f64;
-    // Sweep the split size: the default heuristic and fixed sizes; report the best.
-    let default_tps = att.default_tokens_per_split(&d_rows);
-    // (tokens per split, tiles, timing, (registers, local bytes))
-    type Best = (usize, Option<MmaConfig>, Timing, (i32, i32));
-    let mut best: Option<Best> = None;
+    let out = s.alloc_zeros::<bf16>(seqs * shape.num_heads() * shape.d_v)?;
+    Ok(DecodeBench {
+        layout,
+        rows: d_rows,
+        kv,
+        q,
+        out,
+        scale: 1.0 / (shape.d_qk as f32).sqrt(),
+    })
+}
+
+/// The fastest point of a split sweep: tokens per split, tiles, timing, (registers, local
+/// bytes) of the split kernel.
+type BestSplit = (usize, Option<MmaConfig>, Timing, (i32, i32));
+
+struct SplitSweep {
+    best: BestSplit,
+    tried: Vec<(usize, Option<MmaConfig>)>,
+    /// The backend's choice: default tiles with the split rule (recomputed per tile shape).
+    default_timing: Option<(usize, Timing)>,
+}
+
+/// Times every tile option at the split rule's size, `default_tps` and fixed sizes.
+fn sweep_decode_splits(
+    gpu: &GpuContext,
+    att: &mut PagedAttention,
+    bench: &mut DecodeBench,
+    tile_options: &[Option<MmaConfig>],
+    default_tps: usize,
+    reps: usize,
+) -> Result<SplitSweep, KernelError> {
+    let mut best: Option<BestSplit> = None;
     let mut tried = Vec::new();
-    // the backend's choice: default tiles with the split rule (recomputed per tile shape)
     let mut default_timing: Option<(usize, Timing)> = None;
     for (ti, tiles) in tile_options.iter().enumerate() {
         if let Some(c) = tiles {
             att.set_mma_tiles(gpu, *c)?;
         }
-        let rule_tps = att.default_tokens_per_split(&d_rows);
+        let rule_tps = att.default_tokens_per_split(&bench.rows);
         let resources = att.split_resources();
         for tps in [rule_tps, default_tps, 256, 512, 768, 1024, 1536, 2048, 4096] {
             if tried.contains(&(tps, *tiles)) {
                 continue;
             }
-            let mut ws = att.workspace(gpu, &d_rows, tps)?;
-            let kvv = kv.as_view();
+            let mut ws = att.workspace(gpu, &bench.rows, tps)?;
+            let kvv = bench.kv.as_view();
+            let (q, layout, rows, scale) = (&bench.q, &bench.layout, &bench.rows, bench.scale);
+            let out = &mut bench.out;
             let t = time_ms(gpu, 2, reps, || {
-                att.run(
-                    gpu, &q, &kvv, &layout, &d_rows, tps, &mut ws, scale, &mut out,
-                )
+                att.run(gpu, q, &kvv, layout, rows, tps, &mut ws, scale, out)
             })?;
             tried.push((tps, *tiles));
             if ti == 0 && tps == rule_tps {
@@ -406,9 +441,25 @@ pub fn measure_decode(
             }
         }
     }
-    let (tps, tiles, t, (regs, local)) = best.expect("at least one split size");
+    Ok(SplitSweep {
+        best: best.expect("at least one split size"),
+        tried,
+        default_timing,
+    })
+}
+
+/// The note of a decode row: the best split and tiles of the sweep, the split kernel's
+/// resources and the backend default's rate.
+fn decode_note(
+    sweep: &SplitSweep,
+    default_tps: usize,
+    tile_options: usize,
+    kv_bytes: f64,
+    copy_gbps: f64,
+) -> String {
+    let (tps, tiles, _, (regs, local)) = &sweep.best;
     let tried_tps: Vec<usize> = {
-        let mut v: Vec<usize> = tried.iter().map(|(t, _)| *t).collect();
+        let mut v: Vec<usize> = sweep.tried.iter().map(|(t, _)| *t).collect();
         v.sort_unstable();
         v.dedup();
         v
@@ -424,12 +475,11 @@ pub fn measure_decode(
             c.l2_prefetch,
             c.lazy_rescale,
             c.swap_operands,
-            tile_options.len()
+            tile_options
         ),
         None => String::new(),
     };
-    let rate = gbps(kv_bytes, &t);
-    let default_note = match &default_timing {
+    let default_note = match &sweep.default_timing {
         Some((dt, dtm)) => {
             let r = gbps(kv_bytes, dtm);
             format!(
@@ -439,6 +489,34 @@ pub fn measure_decode(
         }
         None => String::new(),
     };
+    format!(
+        "KV bytes read; best tokens/split {tps} of {tried_tps:?} (default {default_tps}){tiles_note}; split kernel {regs} regs, {local} B local{default_note}"
+    )
+}
+
+/// Decode over `seqs` sequences of `context` tokens with random block tables.
+#[allow(clippy::too_many_arguments)]
+pub fn measure_decode(
+    gpu: &GpuContext,
+    shape: PagedAttentionShape,
+    kernel: AttentionKernel,
+    seqs: usize,
+    context: usize,
+    reps: usize,
+    copy_gbps: f64,
+    seed: u64,
+) -> Result<Rate, KernelError> {
+    let mut att = PagedAttention::new(gpu, shape)?;
+    att.set_kernel(kernel)?;
+    let tile_options = decode_tile_options(kernel, &att, &shape);
+    let mut bench = decode_bench(gpu, &att, &shape, seqs, context, seed)?;
+    let kv_bytes = (seqs * context * shape.num_kv_heads * shape.d_qk * 2) as f64;
+    // Sweep the split size: the default heuristic and fixed sizes; report the best.
+    let default_tps = att.default_tokens_per_split(&bench.rows);
+    let sweep = sweep_decode_splits(gpu, &mut att, &mut bench, &tile_options, default_tps, reps)?;
+    let note = decode_note(&sweep, default_tps, tile_options.len(), kv_bytes, copy_gbps);
+    let t = sweep.best.2;
+    let rate = gbps(kv_bytes, &t);
     Ok(Rate {
         what: format!(
             "decode attention ({kernel:?}) kvh={} group={} d_qk={} d_v={}, {seqs} seqs x {context} tokens",
@@ -449,9 +527,7 @@ pub fn measure_decode(
         rate,
         unit: "GB/s",
         ratio: Some(rate / copy_gbps),
-        note: format!(
-            "KV bytes read; best tokens/split {tps} of {tried_tps:?} (default {default_tps}){tiles_note}; split kernel {regs} regs, {local} B local{default_note}"
-        ),
+        note,
     })
 }
 
@@ -619,6 +695,134 @@ fn backend_error(e: BackendError) -> KernelError {
     }
 }
 
+/// A backend with one SPEC-shaped encoder layer and room for a chunk of `p.tokens` after the
+/// longest of `prefixes`.
+fn prefill_step_backend(
+    gpu: &GpuContext,
+    model: &ModelShape,
+    p: &PrefillShape,
+    prefixes: &[usize],
+) -> Result<CudaBackend, KernelError> {
+    let most = prefixes.iter().copied().max().unwrap_or(0) + p.tokens;
+    let cfg = BackendConfig {
+        model: model.clone(),
+        hbm_blocks: most.div_ceil(model.block_size) + 8,
+        host_blocks: 4,
+        ring_slots: 2,
+        swa_host_slots: 2,
+        ..BackendConfig::default()
+    };
+    // The backend owns its context handle; this one shares the device's primary context.
+    let own = Arc::new(GpuContext::new(gpu.ctx.ordinal())?);
+    CudaBackend::new(own, cfg).map_err(backend_error)
+}
+
+/// One chunk of `tokens` new tokens after `prefix` cached ones, without a decoder replay.
+fn prefill_step_plan(model: &ModelShape, tokens: usize, prefix: usize) -> StepPlan {
+    StepPlan::Prefill(PrefillPlan {
+        engine: EngineId(0),
+        chunks: vec![PrefillChunk {
+            request: RequestId(1),
+            new_tokens: tokens as u32,
+            prefix_tokens: prefix as u32,
+            new_token_layers: model.encoder_layers as u32,
+            decoder_tokens: 0,
+            decoder_layers: model.decoder_layers as u32,
+            swap_in_bytes: 0,
+        }],
+        expert_imbalance: 1.0,
+    })
+}
+
+/// Times `plan` from an empty backend each rep (two warm-up reps first), then runs one more
+/// rep with phase timing on; returns the timing, the diagnostic rep's milliseconds and its
+/// phase split.
+fn time_prefill_step(
+    b: &mut CudaBackend,
+    plan: &StepPlan,
+    reps: usize,
+) -> Result<(Timing, f64, PhaseTimes), KernelError> {
+    let mut report = StepReport::default();
+    let mut step = |b: &mut CudaBackend| -> Result<f64, KernelError> {
+        b.reset();
+        b.try_execute(plan, &mut report).map_err(backend_error)?;
+        Ok(report.duration.0 as f64 / 1e6)
+    };
+    for _ in 0..2 {
+        step(b)?;
+    }
+    let mut v = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps.max(1) {
+        v.push(step(b)?);
+    }
+    let t = summarize(v);
+    b.set_phase_timing(true);
+    let diag_ms = step(b)?;
+    let split = b.last_phases.unwrap_or_default();
+    b.set_phase_timing(false);
+    Ok((t, diag_ms, split))
+}
+
+/// TFLOP/s of `f` FLOPs in `ms` milliseconds (0 when no time was spent).
+fn tflops_in(f: f64, ms: f64) -> f64 {
+    if ms > 0.0 {
+        f / (ms * 1e-3) / 1e12
+    } else {
+        0.0
+    }
+}
+
+/// The note of a whole prefill step row: the model's widths, the FLOPs by kind and the
+/// diagnostic rep's phases.
+fn prefill_step_note(model: &ModelShape, ph: &PrefillPhases, diag_ms: f64, tiles: &str) -> String {
+    let (flops, split) = (&ph.flops, &ph.phases);
+    format!(
+        "hidden {} q {} ({} heads x {}) kv {} ({} KV heads x {}; MLA 576 in SPEC) {} experts top-{} ffn {} + shared {}; {:.3} TFLOP = GEMMs {:.3} + global attention {:.3} + SWA {:.3}; phases of one diagnostic rep ({diag_ms:.3} ms with its events): GEMMs {:.3} ms ({:.0} TFLOP/s), global attention {:.3} ms ({:.0} TFLOP/s), SWA {:.3} ms, MoE routing {:.3} ms, MoE gather/combine {:.3} ms, elementwise {:.3} ms, setup {:.3} ms; {tiles}",
+        model.hidden,
+        model.q_dim(),
+        model.kv_heads * model.group,
+        model.head_dim,
+        model.kv_row(),
+        model.kv_heads,
+        model.head_dim,
+        model.experts,
+        model.top_k,
+        model.expert_ffn,
+        model.shared_ffn,
+        flops.total() / 1e12,
+        flops.gemm / 1e12,
+        flops.attention / 1e12,
+        flops.swa / 1e12,
+        split.gemm_ms,
+        ph.gemm_tflops,
+        split.attention_ms,
+        ph.attention_tflops,
+        split.swa_ms,
+        split.routing_ms,
+        split.permute_ms,
+        split.elementwise_ms,
+        split.setup_ms,
+    )
+}
+
+/// Which attention path a step row took: the prefill kernel's tiles and resources, or the
+/// reference path.
+fn prefill_tiles_note(b: &CudaBackend, with_kernel: bool, (regs, local): (i32, i32)) -> String {
+    b.prefill_tiles()
+        .filter(|_| with_kernel)
+        .map(|t| {
+            format!(
+                "prefill attention tiles {} rows x {} keys, {} stages ({regs} regs, {local} B local)",
+                t.rows(),
+                t.keys_per_tile,
+                t.stages
+            )
+        })
+        .unwrap_or_else(|| {
+            "reference path: global attention through the split decode kernels, SWA through the CUDA-core kernel".into()
+        })
+}
+
 /// The whole prefill step, executed by the CUDA backend: a chunk of `p.tokens` new tokens after
 /// each of `prefixes` cached tokens, one SPEC-shaped encoder layer ([`prefill_step_model`]), no
 /// decoder replay. Each rep starts from an empty backend (`reset`), so a nonzero prefix is a
@@ -634,19 +838,8 @@ pub fn measure_prefill_steps(
     ceiling_tflops: f64,
 ) -> Result<(Vec<Rate>, Vec<PrefillPhases>), KernelError> {
     let model = prefill_step_model(p)?;
-    let most = prefixes.iter().copied().max().unwrap_or(0) + p.tokens;
-    let cfg = BackendConfig {
-        model: model.clone(),
-        hbm_blocks: most.div_ceil(model.block_size) + 8,
-        host_blocks: 4,
-        ring_slots: 2,
-        swa_host_slots: 2,
-        ..BackendConfig::default()
-    };
-    // The backend owns its context handle; this one shares the device's primary context.
-    let own = Arc::new(GpuContext::new(gpu.ctx.ordinal())?);
-    let mut b = CudaBackend::new(own, cfg).map_err(backend_error)?;
-    let (regs, local) = b
+    let mut b = prefill_step_backend(gpu, &model, p, prefixes)?;
+    let resources = b
         .prefill_tiles()
         .and_then(|t| {
             PrefillAttention::with_tiles(b.gpu(), attention_shape(&model), t)
@@ -662,69 +855,20 @@ pub fn measure_prefill_steps(
     variants.extend(prefixes.first().map(|&p| (p, false)));
     for (prefix, with_kernel) in variants {
         b.use_prefill_kernel(with_kernel).map_err(backend_error)?;
-        let plan = StepPlan::Prefill(PrefillPlan {
-            engine: EngineId(0),
-            chunks: vec![PrefillChunk {
-                request: RequestId(1),
-                new_tokens: p.tokens as u32,
-                prefix_tokens: prefix as u32,
-                new_token_layers: model.encoder_layers as u32,
-                decoder_tokens: 0,
-                decoder_layers: model.decoder_layers as u32,
-                swap_in_bytes: 0,
-            }],
-            expert_imbalance: 1.0,
-        });
-        let mut report = StepReport::default();
-        let mut step = |b: &mut CudaBackend| -> Result<f64, KernelError> {
-            b.reset();
-            b.try_execute(&plan, &mut report).map_err(backend_error)?;
-            Ok(report.duration.0 as f64 / 1e6)
-        };
-        for _ in 0..2 {
-            step(&mut b)?;
-        }
-        let mut v = Vec::with_capacity(reps.max(1));
-        for _ in 0..reps.max(1) {
-            v.push(step(&mut b)?);
-        }
-        let t = summarize(v);
-        b.set_phase_timing(true);
-        let diag_ms = step(&mut b)?;
-        let split = b.last_phases.unwrap_or_default();
-        b.set_phase_timing(false);
+        let plan = prefill_step_plan(&model, p.tokens, prefix);
+        let (t, diag_ms, split) = time_prefill_step(&mut b, &plan, reps)?;
         let flops = StepFlops::of(&model, prefix, p.tokens, prefix > 0);
         let rate = flops.total() / (t.median_ms * 1e-3) / 1e12;
-        let tf = |f: f64, ms: f64| {
-            if ms > 0.0 {
-                f / (ms * 1e-3) / 1e12
-            } else {
-                0.0
-            }
-        };
         let ph = PrefillPhases {
             prefix,
             with_prefill_kernel: with_kernel,
             tokens: p.tokens,
             flops,
             phases: split,
-            gemm_tflops: tf(flops.gemm, split.gemm_ms),
-            attention_tflops: tf(flops.attention, split.attention_ms),
+            gemm_tflops: tflops_in(flops.gemm, split.gemm_ms),
+            attention_tflops: tflops_in(flops.attention, split.attention_ms),
         };
-        let tiles = b
-            .prefill_tiles()
-            .filter(|_| with_kernel)
-            .map(|t| {
-                format!(
-                    "prefill attention tiles {} rows x {} keys, {} stages ({regs} regs, {local} B local)",
-                    t.rows(),
-                    t.keys_per_tile,
-                    t.stages
-                )
-            })
-            .unwrap_or_else(|| {
-                "reference path: global attention through the split decode kernels, SWA through the CUDA-core kernel".into()
-            });
+        let tiles = prefill_tiles_note(&b, with_kernel, resources);
         rates.push(Rate {
             what: format!(
                 "prefill step, whole (CUDA backend{}), {} tokens after a {prefix}-token {}, 1 encoder layer",
@@ -737,33 +881,7 @@ pub fn measure_prefill_steps(
             rate,
             unit: "TFLOP/s",
             ratio: Some(rate / ceiling_tflops),
-            note: format!(
-                "hidden {} q {} ({} heads x {}) kv {} ({} KV heads x {}; MLA 576 in SPEC) {} experts top-{} ffn {} + shared {}; {:.3} TFLOP = GEMMs {:.3} + global attention {:.3} + SWA {:.3}; phases of one diagnostic rep ({diag_ms:.3} ms with its events): GEMMs {:.3} ms ({:.0} TFLOP/s), global attention {:.3} ms ({:.0} TFLOP/s), SWA {:.3} ms, MoE routing {:.3} ms, MoE gather/combine {:.3} ms, elementwise {:.3} ms, setup {:.3} ms; {tiles}",
-                model.hidden,
-                model.q_dim(),
-                model.kv_heads * model.group,
-                model.head_dim,
-                model.kv_row(),
-                model.kv_heads,
-                model.head_dim,
-                model.experts,
-                model.top_k,
-                model.expert_ffn,
-                model.shared_ffn,
-                flops.total() / 1e12,
-                flops.gemm / 1e12,
-                flops.attention / 1e12,
-                flops.swa / 1e12,
-                split.gemm_ms,
-                ph.gemm_tflops,
-                split.attention_ms,
-                ph.attention_tflops,
-                split.swa_ms,
-                split.routing_ms,
-                split.permute_ms,
-                split.elementwise_ms,
-                split.setup_ms,
-            ),
+            note: prefill_step_note(&model, &ph, diag_ms, &tiles),
         });
         phases.push(ph);
     }
@@ -879,15 +997,24 @@ fn xorshift_fill(buf: &mut [u8], mut state: u64) {
     }
 }
 
-/// Host-to-device swap-in of `n` blocks scattered in a pinned host pool to scattered device
-/// blocks, three ways, against one large pinned copy of the same bytes.
-pub fn measure_swap(
+/// The buffers of a swap measurement: a pinned host pool of `2 n` random blocks, a pinned
+/// destination for the round trip, a device pool, and `n` shuffled source and destination ids.
+struct SwapBench {
+    host: PinnedHostSlice<u8>,
+    back: PinnedHostSlice<u8>,
+    dev: CudaSlice<u8>,
+    src_ids: Vec<i32>,
+    dst_ids: Vec<i32>,
+    block_bytes: usize,
+    n: usize,
+}
+
+fn swap_bench(
     gpu: &GpuContext,
     block_bytes: usize,
     n: usize,
-    reps: usize,
     seed: u64,
-) -> Result<(Vec<Rate>, bool), KernelError> {
+) -> Result<SwapBench, KernelError> {
     if !block_bytes.is_multiple_of(16) || n == 0 {
         return Err(KernelError::shape(format!(
             "block_bytes = {block_bytes} must be a multiple of 16 and blocks > 0"
@@ -895,7 +1022,6 @@ pub fn measure_swap(
     }
     let pool_blocks = 2 * n;
     let pool_bytes = pool_blocks * block_bytes;
-    let s = &gpu.stream;
     // SAFETY: filled right below before any read.
     let mut host = unsafe {
         gpu.ctx.alloc_pinned_with_flags::<u8>(
@@ -905,11 +1031,11 @@ pub fn measure_swap(
     }?;
     xorshift_fill(host.as_mut_slice()?, seed | 1);
     // SAFETY: as above; used only as a D2H destination.
-    let mut back = unsafe {
+    let back = unsafe {
         gpu.ctx
             .alloc_pinned_with_flags::<u8>(n * block_bytes, sys::CU_MEMHOSTALLOC_PORTABLE)
     }?;
-    let mut dev = s.alloc_zeros::<u8>(pool_bytes)?;
+    let dev = gpu.stream.alloc_zeros::<u8>(pool_bytes)?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut src_ids: Vec<i32> = (0..pool_blocks as i32).collect();
     src_ids.shuffle(&mut rng);
@@ -917,115 +1043,122 @@ pub fn measure_swap(
     let mut dst_ids: Vec<i32> = (0..pool_blocks as i32).collect();
     dst_ids.shuffle(&mut rng);
     dst_ids.truncate(n);
-    let total = (n * block_bytes) as f64;
-    let mut rates = Vec::new();
+    Ok(SwapBench {
+        host,
+        back,
+        dev,
+        src_ids,
+        dst_ids,
+        block_bytes,
+        n,
+    })
+}
 
-    // 1. the ceiling: one pinned copy of n blocks' bytes
-    let t_one = {
-        let h = host.as_slice()?;
-        let (dptr, _g) = dev.device_ptr_mut(s);
-        time_ms(gpu, 2, reps, || {
-            // SAFETY: dev holds pool_bytes >= n * block_bytes; host stays alive and pinned.
+/// A GB/s row of `bytes` moved per run, compared with `ceiling` when given.
+fn gbps_rate(what: String, timing: Timing, bytes: f64, ceiling: Option<f64>, note: &str) -> Rate {
+    let rate = gbps(bytes, &timing);
+    Rate {
+        what,
+        rate,
+        timing,
+        amount: bytes,
+        unit: "GB/s",
+        ratio: ceiling.map(|c| rate / c),
+        note: note.into(),
+    }
+}
+
+/// The ceiling: one pinned copy of the `n` blocks' bytes.
+fn time_one_copy(gpu: &GpuContext, sb: &mut SwapBench, reps: usize) -> Result<Timing, KernelError> {
+    let s = &gpu.stream;
+    let bytes = sb.n * sb.block_bytes;
+    let h = sb.host.as_slice()?;
+    let (dptr, _g) = sb.dev.device_ptr_mut(s);
+    time_ms(gpu, 2, reps, || {
+        // SAFETY: dev holds pool_bytes >= n * block_bytes; host stays alive and pinned.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dptr, &h[..bytes], s.cu_stream()) }
+            .map_err(KernelError::from)
+    })
+}
+
+/// Issues one `cuMemcpyHtoDAsync` per block, from each source id to its destination id.
+fn copy_blocks_in(gpu: &GpuContext, sb: &mut SwapBench) -> Result<(), KernelError> {
+    let (s, block_bytes) = (&gpu.stream, sb.block_bytes);
+    let h = sb.host.as_slice()?;
+    let (dptr, _g) = sb.dev.device_ptr_mut(s);
+    for (&si, &di) in sb.src_ids.iter().zip(&sb.dst_ids) {
+        // SAFETY: both ids address whole blocks inside their pools.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dptr + (di as usize * block_bytes) as u64,
+                &h[si as usize * block_bytes..][..block_bytes],
+                s.cu_stream(),
+            )
+        }?;
+    }
+    Ok(())
+}
+
+/// One `cuMemcpyHtoDAsync` per block (scattered ids).
+fn time_block_copies(
+    gpu: &GpuContext,
+    sb: &mut SwapBench,
+    reps: usize,
+) -> Result<Timing, KernelError> {
+    let (s, block_bytes) = (&gpu.stream, sb.block_bytes);
+    let h = sb.host.as_slice()?;
+    let (dptr, _g) = sb.dev.device_ptr_mut(s);
+    time_ms(gpu, 2, reps, || {
+        for (&si, &di) in sb.src_ids.iter().zip(&sb.dst_ids) {
+            let src = &h[si as usize * block_bytes..][..block_bytes];
+            // SAFETY: both ids address whole blocks inside their pools.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
-                    dptr,
-                    &h[..n * block_bytes],
+                    dptr + (di as usize * block_bytes) as u64,
+                    src,
                     s.cu_stream(),
                 )
-            }
-            .map_err(KernelError::from)
-        })?
-    };
-    let ceiling = gbps(total, &t_one);
-    rates.push(Rate {
-        what: format!("H2D one pinned copy of {} MiB", (n * block_bytes) >> 20),
-        rate: ceiling,
-        timing: t_one,
-        amount: total,
-        unit: "GB/s",
-        ratio: None,
-        note: "pinned copy ceiling".into(),
-    });
+            }?;
+        }
+        Ok(())
+    })
+}
 
-    // 2. one cuMemcpyHtoDAsync per block (scattered ids)
-    let t_blocks = {
-        let h = host.as_slice()?;
-        let (dptr, _g) = dev.device_ptr_mut(s);
-        time_ms(gpu, 2, reps, || {
-            for (&si, &di) in src_ids.iter().zip(&dst_ids) {
-                let src = &h[si as usize * block_bytes..][..block_bytes];
-                // SAFETY: both ids address whole blocks inside their pools.
-                unsafe {
-                    cudarc::driver::result::memcpy_htod_async(
-                        dptr + (di as usize * block_bytes) as u64,
-                        src,
-                        s.cu_stream(),
-                    )
-                }?;
-            }
-            Ok(())
-        })?
-    };
-    let r = gbps(total, &t_blocks);
-    rates.push(Rate {
-        what: format!("H2D swap-in, one copy per {block_bytes} B block, {n} blocks"),
-        rate: r,
-        timing: t_blocks,
-        amount: total,
-        unit: "GB/s",
-        ratio: Some(r / ceiling),
-        note: "copy engine, per-copy issue cost".into(),
-    });
-
-    // 3. zero-copy gather kernel reading mapped pinned memory
-    let (d_src, d_dst) = (s.clone_htod(&src_ids)?, s.clone_htod(&dst_ids)?);
+/// The zero-copy gather kernel reading mapped pinned memory, from the device copies of the
+/// source and destination ids.
+fn time_gather(
+    gpu: &GpuContext,
+    sb: &mut SwapBench,
+    (d_src, d_dst): (&CudaSlice<i32>, &CudaSlice<i32>),
+    reps: usize,
+) -> Result<Timing, KernelError> {
+    let s = &gpu.stream;
     let mut host_dptr: sys::CUdeviceptr = 0;
     // SAFETY: the pool was allocated with DEVICEMAP; this only queries its device address.
     unsafe {
         sys::cuMemHostGetDevicePointer_v2(
             &mut host_dptr,
-            host.as_mut_ptr()? as *mut std::ffi::c_void,
+            sb.host.as_mut_ptr()? as *mut std::ffi::c_void,
             0,
         )
     }
     .result()?;
-    let t_gather = {
-        let (dptr, _g) = dev.device_ptr_mut(s);
-        time_ms(gpu, 2, reps, || {
-            // SAFETY: host_dptr maps the whole host pool; dptr the whole device pool; ids are in range.
-            unsafe { gather_blocks_raw(gpu, host_dptr, &d_src, dptr, &d_dst, n, block_bytes) }
-        })?
-    };
-    let r = gbps(total, &t_gather);
-    rates.push(Rate {
-        what: format!("H2D swap-in, gather kernel over mapped pinned memory, {n} blocks"),
-        rate: r,
-        timing: t_gather,
-        amount: total,
-        unit: "GB/s",
-        ratio: Some(r / ceiling),
-        note: "SMs read the host over PCIe; one launch".into(),
-    });
+    let (n, block_bytes) = (sb.n, sb.block_bytes);
+    let (dptr, _g) = sb.dev.device_ptr_mut(s);
+    time_ms(gpu, 2, reps, || {
+        // SAFETY: host_dptr maps the whole host pool; dptr the whole device pool; ids are in range.
+        unsafe { gather_blocks_raw(gpu, host_dptr, d_src, dptr, d_dst, n, block_bytes) }
+    })
+}
 
-    // Round trip: swap the blocks in (per-block copies), out to `back`, compare bytes.
+/// Round trip: swaps the blocks in (per-block copies), out to `back`, and compares the bytes.
+fn swap_round_trip(gpu: &GpuContext, sb: &mut SwapBench) -> Result<bool, KernelError> {
+    let (s, block_bytes) = (&gpu.stream, sb.block_bytes);
+    copy_blocks_in(gpu, sb)?;
     {
-        let h = host.as_slice()?;
-        let (dptr, _g) = dev.device_ptr_mut(s);
-        for (&si, &di) in src_ids.iter().zip(&dst_ids) {
-            // SAFETY: as in method 2.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    dptr + (di as usize * block_bytes) as u64,
-                    &h[si as usize * block_bytes..][..block_bytes],
-                    s.cu_stream(),
-                )
-            }?;
-        }
-    }
-    {
-        let b = back.as_mut_slice()?;
-        let (dptr, _g) = dev.device_ptr(s);
-        for (i, &di) in dst_ids.iter().enumerate() {
+        let b = sb.back.as_mut_slice()?;
+        let (dptr, _g) = sb.dev.device_ptr(s);
+        for (i, &di) in sb.dst_ids.iter().enumerate() {
             // SAFETY: the destination range lies inside `back`; the source block inside `dev`.
             unsafe {
                 cudarc::driver::result::memcpy_dtoh_async(
@@ -1037,18 +1170,61 @@ pub fn measure_swap(
         }
     }
     s.synchronize()?;
-    let (h, b) = (host.as_slice()?, back.as_slice()?);
-    let identical = src_ids.iter().enumerate().all(|(i, &si)| {
+    let (h, b) = (sb.host.as_slice()?, sb.back.as_slice()?);
+    Ok(sb.src_ids.iter().enumerate().all(|(i, &si)| {
         h[si as usize * block_bytes..][..block_bytes] == b[i * block_bytes..][..block_bytes]
-    });
+    }))
+}
+
+/// Host-to-device swap-in of `n` blocks scattered in a pinned host pool to scattered device
+/// blocks, three ways, against one large pinned copy of the same bytes.
+pub fn measure_swap(
+    gpu: &GpuContext,
+    block_bytes: usize,
+    n: usize,
+    reps: usize,
+    seed: u64,
+) -> Result<(Vec<Rate>, bool), KernelError> {
+    let mut sb = swap_bench(gpu, block_bytes, n, seed)?;
+    let total = (n * block_bytes) as f64;
+    let t_one = time_one_copy(gpu, &mut sb, reps)?;
+    let ceiling = gbps(total, &t_one);
+    let mut rates = vec![gbps_rate(
+        format!("H2D one pinned copy of {} MiB", (n * block_bytes) >> 20),
+        t_one,
+        total,
+        None,
+        "pinned copy ceiling",
+    )];
+    let t_blocks = time_block_copies(gpu, &mut sb, reps)?;
+    rates.push(gbps_rate(
+        format!("H2D swap-in, one copy per {block_bytes} B block, {n} blocks"),
+        t_blocks,
+        total,
+        Some(ceiling),
+        "copy engine, per-copy issue cost",
+    ));
+    let s = &gpu.stream;
+    let (d_src, d_dst) = (s.clone_htod(&sb.src_ids)?, s.clone_htod(&sb.dst_ids)?);
+    let t_gather = time_gather(gpu, &mut sb, (&d_src, &d_dst), reps)?;
+    rates.push(gbps_rate(
+        format!("H2D swap-in, gather kernel over mapped pinned memory, {n} blocks"),
+        t_gather,
+        total,
+        Some(ceiling),
+        "SMs read the host over PCIe; one launch",
+    ));
+    let identical = swap_round_trip(gpu, &mut sb)?;
     Ok((rates, identical))
 }
 
-pub fn run(
+/// The copy and read-only bandwidth ceilings, with the datasheet's; the copy row's note
+/// carries the read ceiling, since the markdown table has no row for it.
+fn measure_bandwidth_ceilings(
     gpu: &GpuContext,
     cfg: &SpeedConfig,
-    mut log: impl FnMut(&str),
-) -> Result<SpeedReport, KernelError> {
+    log: &mut impl FnMut(&str),
+) -> Result<(Rate, Rate, Ceilings), KernelError> {
     let mut copy = measure_copy(gpu, cfg.copy_bytes, cfg.reps)?;
     log(&format!("copy: {:.0} GB/s", copy.rate));
     let read = measure_read(gpu, cfg.copy_bytes, cfg.reps)?;
@@ -1058,7 +1234,6 @@ pub fn run(
         read: read.rate,
         datasheet: datasheet_gbps(&gpu.name()),
     };
-    // The markdown table has no row for the read ceiling, so the copy row carries it.
     copy.note = format!(
         "{}; read-only stream ({}) {:.1} GB/s = {:.1}% of copy{}",
         copy.note,
@@ -1074,8 +1249,17 @@ pub fn run(
             ))
             .unwrap_or_default()
     );
-    let gemm = measure_gemm_ceiling(gpu, cfg.gemm_ceiling_dim, cfg.reps)?;
-    log(&format!("gemm ceiling: {:.0} TFLOP/s", gemm.rate));
+    Ok((copy, read, ceilings))
+}
+
+/// Decode attention rows: every kernel that takes each decode shape, then the MLA-shaped
+/// kernel at each query-token count.
+fn measure_decode_rows(
+    gpu: &GpuContext,
+    cfg: &SpeedConfig,
+    ceilings: &Ceilings,
+    log: &mut impl FnMut(&str),
+) -> Result<Vec<Rate>, KernelError> {
     let mut decode = Vec::new();
     for (i, shape) in cfg.decode_shapes.iter().enumerate() {
         let mut kernels = vec![AttentionKernel::Warp];
@@ -1093,7 +1277,7 @@ pub fn run(
                 cfg.decode_seqs,
                 cfg.decode_context,
                 cfg.reps,
-                copy.rate,
+                ceilings.copy,
                 cfg.seed + i as u64,
             )?;
             let r = Rate {
@@ -1117,7 +1301,7 @@ pub fn run(
             cfg.decode_context,
             qt,
             cfg.reps,
-            &ceilings,
+            ceilings,
             // the backend's default tiles and split rule only: the tile sweep is
             // `attention_bench` (below), which would add a minute here
             false,
@@ -1126,45 +1310,79 @@ pub fn run(
         log(&format!("{}: {:.0} GB/s; {}", r.what, r.rate, r.note));
         decode.push(r);
     }
-    let prefill_gemms_only = measure_prefill_gemms(gpu, &cfg.prefill, cfg.reps.min(10), gemm.rate)?;
+    Ok(decode)
+}
+
+/// Logs a TFLOP/s row with its ratio, median time and note.
+fn log_tflops_row(log: &mut impl FnMut(&str), r: &Rate) {
+    log(&format!(
+        "{}: {:.0} TFLOP/s ({:.2}) {:.3} ms; {}",
+        r.what,
+        r.rate,
+        r.ratio.unwrap_or(0.0),
+        r.timing.median_ms,
+        r.note
+    ));
+}
+
+/// The prefill rows: GEMMs only, the attention kernel alone, and whole steps.
+struct PrefillMeasurements {
+    gemms_only: Rate,
+    attention: Vec<Rate>,
+    /// One whole step per `prefill_step_prefixes` entry, then the reference path's.
+    steps: Vec<Rate>,
+    phases: Vec<PrefillPhases>,
+}
+
+fn measure_prefill_rows(
+    gpu: &GpuContext,
+    cfg: &SpeedConfig,
+    gemm_tflops: f64,
+    log: &mut impl FnMut(&str),
+) -> Result<PrefillMeasurements, KernelError> {
+    let reps = cfg.reps.min(10);
+    let gemms_only = measure_prefill_gemms(gpu, &cfg.prefill, reps, gemm_tflops)?;
     log(&format!(
         "prefill GEMMs only: {:.0} TFLOP/s ({:.2})",
-        prefill_gemms_only.rate,
-        prefill_gemms_only.ratio.unwrap_or(0.0)
+        gemms_only.rate,
+        gemms_only.ratio.unwrap_or(0.0)
     ));
-    let prefill_attention =
-        measure_prefill_attention(gpu, &cfg.prefill, cfg.reps.min(10), gemm.rate, cfg.seed)?;
-    for r in &prefill_attention {
-        log(&format!(
-            "{}: {:.0} TFLOP/s ({:.2}) {:.3} ms; {}",
-            r.what,
-            r.rate,
-            r.ratio.unwrap_or(0.0),
-            r.timing.median_ms,
-            r.note
-        ));
+    let attention = measure_prefill_attention(gpu, &cfg.prefill, reps, gemm_tflops, cfg.seed)?;
+    for r in &attention {
+        log_tflops_row(log, r);
     }
-    let (mut steps, prefill_phases) = measure_prefill_steps(
+    let (steps, phases) = measure_prefill_steps(
         gpu,
         &cfg.prefill,
         &cfg.prefill_step_prefixes,
-        cfg.reps.min(10),
-        gemm.rate,
+        reps,
+        gemm_tflops,
     )?;
     for r in &steps {
-        log(&format!(
-            "{}: {:.0} TFLOP/s ({:.2}) {:.3} ms; {}",
-            r.what,
-            r.rate,
-            r.ratio.unwrap_or(0.0),
-            r.timing.median_ms,
-            r.note
-        ));
+        log_tflops_row(log, r);
     }
-    if steps.is_empty() {
+    Ok(PrefillMeasurements {
+        gemms_only,
+        attention,
+        steps,
+        phases,
+    })
+}
+
+pub fn run(
+    gpu: &GpuContext,
+    cfg: &SpeedConfig,
+    mut log: impl FnMut(&str),
+) -> Result<SpeedReport, KernelError> {
+    let (copy, read, ceilings) = measure_bandwidth_ceilings(gpu, cfg, &mut log)?;
+    let gemm = measure_gemm_ceiling(gpu, cfg.gemm_ceiling_dim, cfg.reps)?;
+    log(&format!("gemm ceiling: {:.0} TFLOP/s", gemm.rate));
+    let decode = measure_decode_rows(gpu, cfg, &ceilings, &mut log)?;
+    let mut pf = measure_prefill_rows(gpu, cfg, gemm.rate, &mut log)?;
+    if pf.steps.is_empty() {
         return Err(KernelError::shape("prefill_step_prefixes is empty"));
     }
-    let prefill = steps.remove(0);
+    let prefill = pf.steps.remove(0);
     let (swap, identical) = measure_swap(
         gpu,
         cfg.swap_block_bytes,
@@ -1184,10 +1402,10 @@ pub fn run(
         gemm_ceiling: gemm,
         decode,
         prefill,
-        prefill_after_prefix: steps,
-        prefill_phases,
-        prefill_attention,
-        prefill_gemms_only,
+        prefill_after_prefix: pf.steps,
+        prefill_phases: pf.phases,
+        prefill_attention: pf.attention,
+        prefill_gemms_only: pf.gemms_only,
         swap,
         swap_roundtrip_bit_identical: identical,
     })

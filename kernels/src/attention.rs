@@ -1010,6 +1010,32 @@ impl PagedAttention {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
         let sh = &self.shape;
+        self.check_run_buffers(q, kv, layout, rows, tokens_per_split, out)?;
+        if rows.num_q == 0 {
+            return Ok(());
+        }
+        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
+        ensure(
+            ws.m.len() >= rows.num_q * sh.num_heads() * max_splits,
+            || "workspace too small for this split".into(),
+        )?;
+        let cfg = self.split_launch_config(rows, max_splits)?;
+        let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
+        self.launch_split(gpu, q, kv, layout, rows, (tps, ms), ws, scale, cfg)?;
+        self.launch_reduce(gpu, rows, (tps, ms), ws, out)
+    }
+
+    /// The layout and the sizes of `q`, `out` and `kv` fit `rows`, with a positive split.
+    fn check_run_buffers(
+        &self,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &DeviceRows,
+        tokens_per_split: usize,
+        out: &CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         layout.validate(sh)?;
         ensure(tokens_per_split > 0, || {
             "tokens_per_split must be positive".into()
@@ -1022,24 +1048,19 @@ impl PagedAttention {
         })?;
         ensure(kv.len() >= layout.min_len(sh), || {
             "kv view is shorter than the layout".into()
-        })?;
-        if rows.num_q == 0 {
-            return Ok(());
-        }
-        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
-        ensure(
-            ws.m.len() >= rows.num_q * sh.num_heads() * max_splits,
-            || "workspace too small for this split".into(),
-        )?;
-        let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
-        let (max_blocks, kvh, bs) = (
-            rows.max_blocks as i32,
-            sh.num_kv_heads as i32,
-            sh.block_size as i32,
-        );
-        let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
-        let mut b = gpu.stream.launch_builder(self.split_fn());
-        let cfg = match (&self.kernel, &self.mma, &rows.groups) {
+        })
+    }
+
+    /// The split kernel's launch shape over `rows` in `max_splits` splits: per group of query
+    /// tokens on the tensor-core kernel (whose rows must have been grouped for its tiles), per
+    /// query token otherwise.
+    fn split_launch_config(
+        &self,
+        rows: &DeviceRows,
+        max_splits: usize,
+    ) -> Result<LaunchConfig, KernelError> {
+        let sh = &self.shape;
+        match (&self.kernel, &self.mma, &rows.groups) {
             (AttentionKernel::Mma, Some((_, mc)), Some(g)) => {
                 ensure(g.max_len <= mc.tokens_per_group(sh), || {
                     format!(
@@ -1048,16 +1069,7 @@ impl PagedAttention {
                         mc.tokens_per_group(sh)
                     )
                 })?;
-                b.arg(q)
-                    .arg(kv)
-                    .arg(&rows.tables)
-                    .arg(&max_blocks)
-                    .arg(&g.row)
-                    .arg(&g.start)
-                    .arg(&g.end)
-                    .arg(&g.q0)
-                    .arg(&g.qn);
-                LaunchConfig {
+                Ok(LaunchConfig {
                     grid_dim: (
                         max_splits.div_ceil(mc.warps) as u32,
                         g.count as u32,
@@ -1065,32 +1077,58 @@ impl PagedAttention {
                     ),
                     block_dim: ((mc.warps * 32) as u32, 1, 1),
                     shared_mem_bytes: mc.smem_bytes(sh) as u32,
-                }
+                })
             }
-            (AttentionKernel::Mma, _, _) => {
-                return Err(KernelError::shape(
-                    "rows were uploaded without the tensor-core kernel's groups",
-                ));
+            (AttentionKernel::Mma, _, _) => Err(KernelError::shape(
+                "rows were uploaded without the tensor-core kernel's groups",
+            )),
+            _ => Ok(LaunchConfig {
+                grid_dim: (
+                    max_splits.div_ceil(WARPS) as u32,
+                    rows.num_q as u32,
+                    sh.num_kv_heads as u32,
+                ),
+                block_dim: ((WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            }),
+        }
+    }
+
+    /// Launches the split kernel: each split's partial max, sum and output into `ws`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_split(
+        &self,
+        gpu: &GpuContext,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &DeviceRows,
+        (tps, ms): (i32, i32),
+        ws: &mut AttentionWorkspace,
+        scale: f32,
+        cfg: LaunchConfig,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
+        let (block_stride, row_stride) = (layout.block_stride as i64, layout.row_stride as i32);
+        let (max_blocks, kvh, bs) = (
+            rows.max_blocks as i32,
+            sh.num_kv_heads as i32,
+            sh.block_size as i32,
+        );
+        let mut b = gpu.stream.launch_builder(self.split_fn());
+        b.arg(q).arg(kv).arg(&rows.tables).arg(&max_blocks);
+        match (&self.kernel, &self.mma, &rows.groups) {
+            (AttentionKernel::Mma, Some(_), Some(g)) => {
+                b.arg(&g.row)
+                    .arg(&g.start)
+                    .arg(&g.end)
+                    .arg(&g.q0)
+                    .arg(&g.qn);
             }
             _ => {
-                b.arg(q)
-                    .arg(kv)
-                    .arg(&rows.tables)
-                    .arg(&max_blocks)
-                    .arg(&rows.table_row)
-                    .arg(&rows.kv_start)
-                    .arg(&rows.kv_end);
-                LaunchConfig {
-                    grid_dim: (
-                        max_splits.div_ceil(WARPS) as u32,
-                        rows.num_q as u32,
-                        sh.num_kv_heads as u32,
-                    ),
-                    block_dim: ((WARPS * 32) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                }
+                b.arg(&rows.table_row).arg(&rows.kv_start).arg(&rows.kv_end);
             }
-        };
+        }
         b.arg(&block_stride)
             .arg(&row_stride)
             .arg(&kvh)
@@ -1101,6 +1139,19 @@ impl PagedAttention {
         b.arg(&mut ws.m).arg(&mut ws.l).arg(&mut ws.acc);
         // SAFETY: shapes and every block id reachable from the rows were checked above/on upload.
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Launches the reduction of the splits in `ws` into `out`.
+    fn launch_reduce(
+        &self,
+        gpu: &GpuContext,
+        rows: &DeviceRows,
+        (tps, ms): (i32, i32),
+        ws: &AttentionWorkspace,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         let heads = sh.num_heads() as i32;
         let cfg = LaunchConfig {
             grid_dim: (rows.num_q as u32, sh.num_heads() as u32, 1),
@@ -1249,7 +1300,6 @@ pub fn random_tables(seed: u64, rows: usize, max_blocks: usize, num_blocks: usiz
     }
 }
 
-/// One GPU check: decode rows of ragged lengths, and a prefill chunk over a cached prefix.
 /// Which query rows a check uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CaseKind {
@@ -1261,17 +1311,10 @@ enum CaseKind {
     Prefill,
 }
 
-fn check_case(
-    gpu: &GpuContext,
-    seed: u64,
-    shape: PagedAttentionShape,
-    kind: CaseKind,
-    kernel: AttentionKernel,
-    tiles: Option<MmaConfig>,
-) -> Result<CheckResult, KernelError> {
-    let mut r = rng(seed);
-    let bs = shape.block_size;
-    let (rows, tables, num_blocks, what) = if kind == CaseKind::Decode {
+/// The query rows of a check of `kind` at block size `bs`, random block tables (from
+/// `seed`) over a pool of as many blocks as returned, and the case's description.
+fn case_rows(kind: CaseKind, bs: usize, seed: u64) -> (QueryRows, BlockTables, usize, String) {
+    if kind == CaseKind::Decode {
         let lens = [1usize, bs - 1, bs, 3 * bs + 17, 5 * bs + 1, 0];
         let max_blocks = 6;
         let nb = lens.len() * max_blocks;
@@ -1301,7 +1344,22 @@ fn check_case(
             max_blocks + 3,
             format!("prefill prefix {prefix} chunk {chunk}"),
         )
-    };
+    }
+}
+
+/// One GPU check: decode rows of ragged lengths, verification rows, or a prefill chunk over a
+/// cached prefix.
+fn check_case(
+    gpu: &GpuContext,
+    seed: u64,
+    shape: PagedAttentionShape,
+    kind: CaseKind,
+    kernel: AttentionKernel,
+    tiles: Option<MmaConfig>,
+) -> Result<CheckResult, KernelError> {
+    let mut r = rng(seed);
+    let bs = shape.block_size;
+    let (rows, tables, num_blocks, what) = case_rows(kind, bs, seed);
     let layout = KvLayout::packed(&shape, num_blocks);
     let kv = random_bf16(&mut r, layout.min_len(&shape), 1.0);
     let q = random_bf16(&mut r, rows.len() * shape.num_heads() * shape.d_qk, 1.0);
@@ -1338,6 +1396,22 @@ fn check_case(
         .iter()
         .map(|v| v.to_f64())
         .collect();
+    let detail = case_detail(kernel, tiles, &shape, &what);
+    Ok(CheckResult::from_stats(
+        "paged_attention",
+        detail,
+        ErrorStats::of(&got, &reference),
+        BF16_TOL,
+    ))
+}
+
+/// The description of one check case: the kernel, its tiles, the shape and the rows.
+fn case_detail(
+    kernel: AttentionKernel,
+    tiles: Option<MmaConfig>,
+    shape: &PagedAttentionShape,
+    what: &str,
+) -> String {
     let variant = match tiles {
         Some(c) => format!(
             " {} ({} keys, swizzle {})",
@@ -1347,16 +1421,10 @@ fn check_case(
         ),
         None => String::new(),
     };
-    let detail = format!(
+    format!(
         "{kernel:?}{variant} kvh={} group={} d_qk={} d_v={} {what}",
         shape.num_kv_heads, shape.group, shape.d_qk, shape.d_v
-    );
-    Ok(CheckResult::from_stats(
-        "paged_attention",
-        detail,
-        ErrorStats::of(&got, &reference),
-        BF16_TOL,
-    ))
+    )
 }
 
 fn check_write(gpu: &GpuContext, seed: u64) -> Result<CheckResult, KernelError> {
@@ -1425,6 +1493,26 @@ fn tile_variants(default: &MmaConfig) -> [MmaConfig; 4] {
     ]
 }
 
+/// The kernels (and tensor-core tiles) a shape is checked with: the warp kernel, the tiled one
+/// and the tensor-core one where the shape takes them, the latter also at every
+/// [`tile_variants`] it takes.
+fn kernels_to_check(s: &PagedAttentionShape) -> Vec<(AttentionKernel, Option<MmaConfig>)> {
+    let mut kernels = vec![(AttentionKernel::Warp, None)];
+    if tiled_tile(s).is_some() {
+        kernels.push((AttentionKernel::Tiled, None));
+    }
+    if let Some(cfg) = mma_config(s) {
+        kernels.push((AttentionKernel::Mma, None));
+        kernels.extend(
+            tile_variants(&cfg)
+                .into_iter()
+                .filter(|c| *c != cfg && c.validate_for(s))
+                .map(|c| (AttentionKernel::Mma, Some(c))),
+        );
+    }
+    kernels
+}
+
 pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
     let shapes = [
         PagedAttentionShape {
@@ -1467,20 +1555,7 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
     ];
     let mut out = Vec::new();
     for (i, s) in shapes.iter().enumerate() {
-        let mut kernels = vec![(AttentionKernel::Warp, None)];
-        if tiled_tile(s).is_some() {
-            kernels.push((AttentionKernel::Tiled, None));
-        }
-        if let Some(cfg) = mma_config(s) {
-            kernels.push((AttentionKernel::Mma, None));
-            kernels.extend(
-                tile_variants(&cfg)
-                    .into_iter()
-                    .filter(|c| *c != cfg && c.validate_for(s))
-                    .map(|c| (AttentionKernel::Mma, Some(c))),
-            );
-        }
-        for (k, tiles) in kernels {
+        for (k, tiles) in kernels_to_check(s) {
             for (j, kind) in [CaseKind::Decode, CaseKind::Verify, CaseKind::Prefill]
                 .into_iter()
                 .enumerate()

@@ -590,6 +590,40 @@ impl MlaAttention {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
         let sh = &self.shape;
+        self.check_run_buffers(q, kv, layout, rows, tokens_per_split, out)?;
+        if rows.num_q == 0 {
+            return Ok(());
+        }
+        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
+        ensure(
+            ws.holds(rows.num_q * sh.num_heads() * max_splits, sh.d_v),
+            || "workspace too small for this split".into(),
+        )?;
+        self.launch_split(
+            gpu,
+            q,
+            kv,
+            layout,
+            rows,
+            (tokens_per_split, max_splits),
+            ws,
+            scale,
+        )?;
+        let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
+        self.launch_reduce(gpu, rows, (tps, ms), ws, out)
+    }
+
+    /// The layout and the sizes of `q`, `out` and `kv` fit `rows`, with a positive split.
+    fn check_run_buffers(
+        &self,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &MlaRows,
+        tokens_per_split: usize,
+        out: &CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         layout.validate(sh)?;
         ensure(tokens_per_split > 0, || {
             "tokens_per_split must be positive".into()
@@ -602,15 +636,24 @@ impl MlaAttention {
         })?;
         ensure(kv.len() >= layout.min_len(sh), || {
             "kv view is shorter than the layout".into()
-        })?;
-        if rows.num_q == 0 {
-            return Ok(());
-        }
-        let max_splits = rows.max_len.div_ceil(tokens_per_split).max(1);
-        ensure(
-            ws.holds(rows.num_q * sh.num_heads() * max_splits, sh.d_v),
-            || "workspace too small for this split".into(),
-        )?;
+        })
+    }
+
+    /// Launches the split kernel of the rows' tiles (compiled on first use): each split's
+    /// partial max, sum and output into `ws`, one CTA per row chunk, split and group.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_split(
+        &self,
+        gpu: &GpuContext,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &MlaRows,
+        (tokens_per_split, max_splits): (usize, usize),
+        ws: &mut AttentionWorkspace,
+        scale: f32,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         let cfg = self.config_for(rows)?;
         let (f, _) = self.kernel(gpu, &cfg)?;
         let chunks = cfg.chunks(rows.max_rows);
@@ -654,6 +697,19 @@ impl MlaAttention {
         // SAFETY: shapes were checked above and every block id reachable from the rows on
         // upload; the grid covers exactly the groups, splits and row chunks uploaded.
         unsafe { b.launch(launch) }?;
+        Ok(())
+    }
+
+    /// Launches the reduction of the splits in `ws` into `out`.
+    fn launch_reduce(
+        &self,
+        gpu: &GpuContext,
+        rows: &MlaRows,
+        (tps, ms): (i32, i32),
+        ws: &mut AttentionWorkspace,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        let sh = &self.shape;
         let heads = sh.num_heads() as i32;
         let cfg_r = LaunchConfig {
             grid_dim: (rows.num_q as u32, sh.num_heads() as u32, 1),
@@ -761,95 +817,126 @@ fn check_case(
     ))
 }
 
-pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
+/// Ragged lengths: a single key, lengths inside and at block ends, tiles crossing blocks
+/// (splits of 96 or 200 keys).
+const DECODE_LENS: [usize; 6] = [1, 127, 128, 3 * 128 + 17, 5 * 128 + 1, 1000];
+/// Verification over keys of such lengths, with every verification length of DSpark.
+const VERIFY_LENS: [usize; 6] = [6, 131, 256, 589, 700, 1500];
+const VERIFY_Q: [usize; 6] = [6, 1, 4, 3, 5, 2];
+const ONES: [usize; 6] = [1; 6];
+
+/// (shape, kv lens, query tokens, tiles (default when `None`), tokens per split)
+type MlaCase = (
+    PagedAttentionShape,
+    &'static [usize],
+    &'static [usize],
+    Option<MlaConfig>,
+    usize,
+);
+
+/// Shared-tile kernel tiles with K and V from shared memory.
+fn shared_tiles(
+    keys_per_tile: usize,
+    warps: usize,
+    stages: usize,
+    m_tiles: usize,
+) -> Option<MlaConfig> {
+    Some(MlaConfig {
+        keys_per_tile,
+        warps,
+        stages,
+        m_tiles,
+        min_blocks: 1,
+        q_in_registers: false,
+        l2_prefetch: false,
+        swapped: false,
+    })
+}
+
+/// Shared-tile kernel tiles with Q in registers and the L2 prefetch.
+fn qreg_tiles(keys_per_tile: usize, warps: usize, min_blocks: usize) -> Option<MlaConfig> {
+    Some(MlaConfig {
+        keys_per_tile,
+        warps,
+        stages: 2,
+        m_tiles: 1,
+        min_blocks,
+        q_in_registers: true,
+        l2_prefetch: true,
+        swapped: false,
+    })
+}
+
+/// The swapped kernel for `rows` rows, CTAs of at most `most` warps.
+fn swapped_tiles(
+    rows: usize,
+    most: usize,
+    keys_per_tile: usize,
+    stages: usize,
+    q_in_registers: bool,
+) -> Option<MlaConfig> {
+    Some(MlaConfig::swapped_for(
+        rows,
+        most,
+        keys_per_tile,
+        stages,
+        1,
+        q_in_registers,
+    ))
+}
+
+/// The shared-tile kernel at the served shape: default and swept tiles, decode and
+/// verification, splits inside and across blocks.
+fn shared_kernel_cases() -> Vec<MlaCase> {
     let spec = spec_shape(16);
-    let c = |keys_per_tile, warps, stages, m_tiles| {
-        Some(MlaConfig {
-            keys_per_tile,
-            warps,
-            stages,
-            m_tiles,
-            min_blocks: 1,
-            q_in_registers: false,
-            l2_prefetch: false,
-            swapped: false,
-        })
-    };
-    let qreg = |keys_per_tile, warps, min_blocks| {
-        Some(MlaConfig {
-            keys_per_tile,
-            warps,
-            stages: 2,
-            m_tiles: 1,
-            min_blocks,
-            q_in_registers: true,
-            l2_prefetch: true,
-            swapped: false,
-        })
-    };
-    // The swapped kernel for `rows` rows, CTAs of at most `most` warps.
-    let sw = |rows, most, keys_per_tile, stages, q_in_registers| {
-        Some(MlaConfig::swapped_for(
-            rows,
-            most,
-            keys_per_tile,
-            stages,
-            1,
-            q_in_registers,
-        ))
-    };
-    // Ragged lengths: a single key, lengths inside and at block ends, tiles crossing blocks
-    // (splits of 96 or 200 keys), and every verification length of DSpark.
-    let decode_lens = [1usize, 127, 128, 3 * 128 + 17, 5 * 128 + 1, 1000];
-    let verify_lens = [6usize, 131, 256, 589, 700, 1500];
-    let verify_q = [6usize, 1, 4, 3, 5, 2];
-    type Case<'a> = (
-        PagedAttentionShape,
-        &'a [usize],
-        &'a [usize],
-        Option<MlaConfig>,
-        usize,
-    );
-    let ones = [1usize; 6];
-    let cases: Vec<Case<'_>> = vec![
-        (spec, &decode_lens, &ones, None, 256),
-        (spec, &decode_lens, &ones, None, 96),
-        (spec, &verify_lens, &verify_q, None, 256),
-        (spec, &verify_lens, &verify_q, c(32, 4, 3, 2), 128),
-        (spec, &decode_lens, &ones, c(32, 4, 4, 1), 384),
-        (spec, &verify_lens, &verify_q, c(64, 4, 2, 1), 512),
-        (spec, &verify_lens, &verify_q, c(64, 8, 2, 2), 2048),
-        (spec, &decode_lens, &ones, c(16, 2, 2, 1), 128),
-        (spec, &verify_lens, &verify_q, c(16, 2, 3, 1), 96),
-        (spec, &decode_lens, &ones, qreg(64, 8, 1), 256),
-        (spec, &decode_lens, &ones, qreg(32, 4, 2), 96),
-        // the swapped kernel: 64-key tiles across block ends (splits of 96), 16-key tiles
-        // across them (splits of 200), verification over 6 and 5 warps per CTA (the last CTA
-        // of a group, and groups of fewer tokens, have warps with no rows), Q in registers
-        (spec, &decode_lens, &ones, sw(16, 2, 64, 2, false), 96),
-        (spec, &decode_lens, &ones, sw(16, 2, 16, 4, false), 200),
-        (spec, &decode_lens, &ones, sw(16, 2, 16, 4, true), 128),
-        (spec, &decode_lens, &ones, sw(16, 1, 32, 3, false), 384),
-        (spec, &verify_lens, &verify_q, sw(96, 8, 16, 3, false), 256),
+    let (c, qreg) = (shared_tiles, qreg_tiles);
+    vec![
+        (spec, &DECODE_LENS, &ONES, None, 256),
+        (spec, &DECODE_LENS, &ONES, None, 96),
+        (spec, &VERIFY_LENS, &VERIFY_Q, None, 256),
+        (spec, &VERIFY_LENS, &VERIFY_Q, c(32, 4, 3, 2), 128),
+        (spec, &DECODE_LENS, &ONES, c(32, 4, 4, 1), 384),
+        (spec, &VERIFY_LENS, &VERIFY_Q, c(64, 4, 2, 1), 512),
+        (spec, &VERIFY_LENS, &VERIFY_Q, c(64, 8, 2, 2), 2048),
+        (spec, &DECODE_LENS, &ONES, c(16, 2, 2, 1), 128),
+        (spec, &VERIFY_LENS, &VERIFY_Q, c(16, 2, 3, 1), 96),
+        (spec, &DECODE_LENS, &ONES, qreg(64, 8, 1), 256),
+        (spec, &DECODE_LENS, &ONES, qreg(32, 4, 2), 96),
+    ]
+}
+
+/// The swapped kernel: 64-key tiles across block ends (splits of 96), 16-key tiles across
+/// them (splits of 200), verification over 6 and 5 warps per CTA (the last CTA of a group,
+/// and groups of fewer tokens, have warps with no rows), Q in registers, two latent heads and
+/// 64-token blocks.
+fn swapped_kernel_cases() -> Vec<MlaCase> {
+    let spec = spec_shape(16);
+    let sw = swapped_tiles;
+    vec![
+        (spec, &DECODE_LENS, &ONES, sw(16, 2, 64, 2, false), 96),
+        (spec, &DECODE_LENS, &ONES, sw(16, 2, 16, 4, false), 200),
+        (spec, &DECODE_LENS, &ONES, sw(16, 2, 16, 4, true), 128),
+        (spec, &DECODE_LENS, &ONES, sw(16, 1, 32, 3, false), 384),
+        (spec, &VERIFY_LENS, &VERIFY_Q, sw(96, 8, 16, 3, false), 256),
         (
             spec,
-            &verify_lens,
-            &verify_q,
+            &VERIFY_LENS,
+            &VERIFY_Q,
             Some(MlaConfig {
                 warps: 5,
                 ..MlaConfig::swapped_for(96, 8, 32, 2, 1, false)
             }),
             200,
         ),
-        (spec, &verify_lens, &verify_q, sw(96, 4, 16, 2, true), 96),
+        (spec, &VERIFY_LENS, &VERIFY_Q, sw(96, 4, 16, 2, true), 96),
         (
             PagedAttentionShape {
                 num_kv_heads: 2,
                 group: 8,
                 ..spec
             },
-            &verify_lens,
-            &verify_q,
+            &VERIFY_LENS,
+            &VERIFY_Q,
             sw(48, 8, 16, 3, false),
             256,
         ),
@@ -858,11 +945,18 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
                 block_size: 64,
                 ..spec
             },
-            &verify_lens,
-            &verify_q,
+            &VERIFY_LENS,
+            &VERIFY_Q,
             sw(96, 4, 64, 2, false),
             96,
         ),
+    ]
+}
+
+/// Other shapes at the default tiles.
+fn other_shape_cases() -> Vec<MlaCase> {
+    let spec = spec_shape(16);
+    vec![
         // 8 heads per latent: two tokens per m-tile; two latent heads
         (
             PagedAttentionShape {
@@ -870,8 +964,8 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
                 group: 8,
                 ..spec
             },
-            &verify_lens,
-            &verify_q,
+            &VERIFY_LENS,
+            &VERIFY_Q,
             None,
             256,
         ),
@@ -881,14 +975,21 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
                 block_size: 64,
                 ..spec
             },
-            &verify_lens,
-            &verify_q,
+            &VERIFY_LENS,
+            &VERIFY_Q,
             None,
             96,
         ),
-    ];
+    ]
+}
+
+pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
+    let cases = shared_kernel_cases()
+        .into_iter()
+        .chain(swapped_kernel_cases())
+        .chain(other_shape_cases());
     let mut out = Vec::new();
-    for (i, (shape, lens, qlens, cfg, tps)) in cases.into_iter().enumerate() {
+    for (i, (shape, lens, qlens, cfg, tps)) in cases.enumerate() {
         out.push(check_case(
             gpu,
             seed + i as u64,

@@ -9,6 +9,7 @@ use crate::check::{BF16_TOL, CheckResult};
 use crate::error::{KernelError, ensure};
 use crate::gpu::GpuContext;
 use crate::testdata::{ErrorStats, random_bf16, random_f32, rng};
+use rand_chacha::ChaCha8Rng;
 
 pub(crate) const SRC: &str = include_str!("cuda/moe.cu");
 
@@ -214,11 +215,24 @@ impl MoeRouter {
                 )
             },
         )?;
-        let s = &gpu.stream;
         if n == 0 {
             return Ok(());
         }
-        let (ni, ei, ki, nai) = (n as i32, e as i32, k as i32, (n * k) as i32);
+        self.launch_topk(gpu, logits, n, renorm, r)?;
+        self.launch_permutation(gpu, n, r)
+    }
+
+    /// Launches the top-k kernel: each token's experts and weights into `r`.
+    fn launch_topk(
+        &self,
+        gpu: &GpuContext,
+        logits: &CudaSlice<f32>,
+        n: usize,
+        renorm: bool,
+        r: &mut Routing,
+    ) -> Result<(), KernelError> {
+        let (e, k) = (self.num_experts, self.top_k);
+        let (ni, ei, ki) = (n as i32, e as i32, k as i32);
         let warps = 4u32;
         let cfg = LaunchConfig {
             grid_dim: ((n as u32).div_ceil(warps), 1, 1),
@@ -229,7 +243,7 @@ impl MoeRouter {
             "too many experts for the top-k kernel".into()
         })?;
         let rn = renorm as i32;
-        let mut b = s.launch_builder(&self.topk);
+        let mut b = gpu.stream.launch_builder(&self.topk);
         b.arg(logits)
             .arg(&ni)
             .arg(&ei)
@@ -239,6 +253,20 @@ impl MoeRouter {
             .arg(&mut r.weights);
         // SAFETY: outputs hold n * k entries, shared memory sized for `warps` rows of E.
         unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Launches the kernels that build the permutation from the chosen experts: per-expert
+    /// counts, their offsets, then each pick's position in expert-major order.
+    fn launch_permutation(
+        &self,
+        gpu: &GpuContext,
+        n: usize,
+        r: &mut Routing,
+    ) -> Result<(), KernelError> {
+        let s = &gpu.stream;
+        let (e, k) = (self.num_experts, self.top_k);
+        let (ei, ki, nai) = (e as i32, k as i32, (n * k) as i32);
         let mut b = s.launch_builder(&self.count);
         b.arg(&r.ids).arg(&nai).arg(&mut r.counts);
         // SAFETY: one block per expert writes counts[e].
@@ -345,8 +373,113 @@ impl MoeRouter {
     }
 }
 
+/// Sizes of the MoE GPU check: tokens, experts, picks per token, row width.
+const CHECK_N: usize = 77;
+const CHECK_E: usize = 64;
+const CHECK_K: usize = 6;
+const CHECK_DIM: usize = 96;
+
+/// Entries that differ between two permutations (the offsets counting once).
+fn permutation_mismatches(got: &Permutation, want: &Permutation) -> usize {
+    (got.offsets != want.offsets) as usize
+        + got
+            .sorted_token
+            .iter()
+            .zip(&want.sorted_token)
+            .filter(|(a, b)| a != b)
+            .count()
+        + got
+            .slot_pos
+            .iter()
+            .zip(&want.slot_pos)
+            .filter(|(a, b)| a != b)
+            .count()
+}
+
+/// Reused buffers (as the backend's layer loop keeps them): room for twice the tokens,
+/// holding another routing (drawn from `r`) first; the tokens' arrays of routing `logits`
+/// again must come out as `fresh` and its permutation `got` did. Returns the arrays that
+/// differ.
+fn reused_routing_mismatches(
+    gpu: &GpuContext,
+    router: &MoeRouter,
+    r: &mut ChaCha8Rng,
+    logits: &[f32],
+    fresh: &Routing,
+    (ids, got): (&[i32], &Permutation),
+) -> Result<usize, KernelError> {
+    let (n, e, k) = (CHECK_N, CHECK_E, CHECK_K);
+    let s = &gpu.stream;
+    let mut reused = Routing::alloc(gpu, 2 * n, e, k)?;
+    let other = random_f32(r, 2 * n * e, 4.0);
+    router.route_into(gpu, &s.clone_htod(&other)?, 2 * n, true, &mut reused)?;
+    router.route_into(gpu, &s.clone_htod(logits)?, n, true, &mut reused)?;
+    let na = n * k;
+    Ok([
+        (s.clone_dtoh(&reused.ids)?[..na] != ids[..]) as usize,
+        (s.clone_dtoh(&reused.weights)?[..na] != s.clone_dtoh(&fresh.weights)?[..]) as usize,
+        (s.clone_dtoh(&reused.counts)? != s.clone_dtoh(&fresh.counts)?) as usize,
+        (s.clone_dtoh(&reused.offsets)? != got.offsets) as usize,
+        (s.clone_dtoh(&reused.sorted_token)?[..na] != got.sorted_token[..]) as usize,
+        (s.clone_dtoh(&reused.slot_pos)?[..na] != got.slot_pos[..]) as usize,
+    ]
+    .iter()
+    .sum())
+}
+
+/// Gathers `x` into expert order on the GPU; returns the rows that are not bit-exact copies
+/// of the rows `perm` names.
+fn gather_mismatches(
+    gpu: &GpuContext,
+    router: &MoeRouter,
+    routing: &Routing,
+    x: &[bf16],
+    perm: &Permutation,
+) -> Result<usize, KernelError> {
+    let (n, k, dim) = (CHECK_N, CHECK_K, CHECK_DIM);
+    let s = &gpu.stream;
+    let dx = s.clone_htod(x)?;
+    let mut xs = s.clone_htod(&vec![bf16::NAN; n * k * dim])?;
+    router.gather(gpu, &dx, routing, n, dim, &mut xs)?;
+    let xs_host = s.clone_dtoh(&xs)?;
+    Ok((0..n * k)
+        .filter(|&p| {
+            xs_host[p * dim..(p + 1) * dim]
+                .iter()
+                .zip(&x[perm.sorted_token[p] as usize * dim..][..dim])
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+        })
+        .count())
+}
+
+/// "Expert outputs": random rows (drawn from `r`) in permuted order, combined back per token
+/// on the GPU against the CPU combine.
+fn check_combine(
+    gpu: &GpuContext,
+    router: &MoeRouter,
+    r: &mut ChaCha8Rng,
+    routing: &Routing,
+    perm: &Permutation,
+    detail: String,
+) -> Result<CheckResult, KernelError> {
+    let (n, k, dim) = (CHECK_N, CHECK_K, CHECK_DIM);
+    let s = &gpu.stream;
+    let ys = random_bf16(r, n * k * dim, 1.0);
+    let mut dout = s.clone_htod(&vec![bf16::NAN; n * dim])?;
+    router.combine(gpu, &s.clone_htod(&ys)?, routing, n, dim, &mut dout)?;
+    let w32 = s.clone_dtoh(&routing.weights)?;
+    let reference = combine_cpu(&ys, &perm.slot_pos, &w32, k, dim);
+    let got: Vec<f64> = s.clone_dtoh(&dout)?.iter().map(|v| v.to_f64()).collect();
+    Ok(CheckResult::from_stats(
+        "moe_combine",
+        detail,
+        ErrorStats::of(&got, &reference),
+        BF16_TOL,
+    ))
+}
+
 pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
-    let (n, e, k, dim) = (77usize, 64usize, 6usize, 96usize);
+    let (n, e, k, dim) = (CHECK_N, CHECK_E, CHECK_K, CHECK_DIM);
     let router = MoeRouter::new(gpu, e, k)?;
     let mut r = rng(seed);
     let logits = random_f32(&mut r, n * e, 4.0);
@@ -381,72 +514,24 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         sorted_token: s.clone_dtoh(&routing.sorted_token)?,
         slot_pos: s.clone_dtoh(&routing.slot_pos)?,
     };
-    let mism = (got.offsets != perm.offsets) as usize
-        + got
-            .sorted_token
-            .iter()
-            .zip(&perm.sorted_token)
-            .filter(|(a, b)| a != b)
-            .count()
-        + got
-            .slot_pos
-            .iter()
-            .zip(&perm.slot_pos)
-            .filter(|(a, b)| a != b)
-            .count();
+    let mism = permutation_mismatches(&got, &perm);
     out.push(CheckResult::exact("moe_permutation", detail.clone(), mism));
-    // Reused buffers (as the backend's layer loop keeps them): room for twice the tokens,
-    // holding another routing first; the n tokens' arrays must come out as from fresh ones.
-    let mut reused = Routing::alloc(gpu, 2 * n, e, k)?;
-    let other = random_f32(&mut r, 2 * n * e, 4.0);
-    router.route_into(gpu, &s.clone_htod(&other)?, 2 * n, true, &mut reused)?;
-    router.route_into(gpu, &s.clone_htod(&logits)?, n, true, &mut reused)?;
-    let na = n * k;
-    let reuse_mism = [
-        (s.clone_dtoh(&reused.ids)?[..na] != ids[..]) as usize,
-        (s.clone_dtoh(&reused.weights)?[..na] != s.clone_dtoh(&routing.weights)?[..]) as usize,
-        (s.clone_dtoh(&reused.counts)? != s.clone_dtoh(&routing.counts)?) as usize,
-        (s.clone_dtoh(&reused.offsets)? != got.offsets) as usize,
-        (s.clone_dtoh(&reused.sorted_token)?[..na] != got.sorted_token[..]) as usize,
-        (s.clone_dtoh(&reused.slot_pos)?[..na] != got.slot_pos[..]) as usize,
-    ]
-    .iter()
-    .sum();
+    let reuse_mism =
+        reused_routing_mismatches(gpu, &router, &mut r, &logits, &routing, (&ids, &got))?;
     out.push(CheckResult::exact(
         "moe_route_into_reused",
         format!("{detail}, buffers for {} tokens, used before", 2 * n),
         reuse_mism,
     ));
-    let dx = s.clone_htod(&x)?;
-    let mut xs = s.clone_htod(&vec![bf16::NAN; n * k * dim])?;
-    router.gather(gpu, &dx, &routing, n, dim, &mut xs)?;
-    let xs_host = s.clone_dtoh(&xs)?;
-    let gather_mism = (0..n * k)
-        .filter(|&p| {
-            xs_host[p * dim..(p + 1) * dim]
-                .iter()
-                .zip(&x[perm.sorted_token[p] as usize * dim..][..dim])
-                .any(|(a, b)| a.to_bits() != b.to_bits())
-        })
-        .count();
+    let gather_mism = gather_mismatches(gpu, &router, &routing, &x, &perm)?;
     out.push(CheckResult::exact(
         "moe_gather",
         detail.clone(),
         gather_mism,
     ));
-    // "Expert outputs": random rows in permuted order, combined back per token.
-    let ys = random_bf16(&mut r, n * k * dim, 1.0);
-    let mut dout = s.clone_htod(&vec![bf16::NAN; n * dim])?;
-    router.combine(gpu, &s.clone_htod(&ys)?, &routing, n, dim, &mut dout)?;
-    let w32 = s.clone_dtoh(&routing.weights)?;
-    let reference = combine_cpu(&ys, &perm.slot_pos, &w32, k, dim);
-    let got: Vec<f64> = s.clone_dtoh(&dout)?.iter().map(|v| v.to_f64()).collect();
-    out.push(CheckResult::from_stats(
-        "moe_combine",
-        detail,
-        ErrorStats::of(&got, &reference),
-        BF16_TOL,
-    ));
+    out.push(check_combine(
+        gpu, &router, &mut r, &routing, &perm, detail,
+    )?);
     Ok(out)
 }
 

@@ -360,28 +360,7 @@ impl PrefillAttention {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
         let sh = &self.shape;
-        ensure(window != Some(0), || "window must be positive".into())?;
-        let window = window.map_or(i32::MAX, |w| w.min(i32::MAX as usize) as i32);
-        layout.validate(sh)?;
-        ensure(q.len() >= rows.num_q * sh.num_heads() * sh.d_qk, || {
-            "q is too short".into()
-        })?;
-        ensure(out.len() >= rows.num_q * sh.num_heads() * sh.d_v, || {
-            "out is too short".into()
-        })?;
-        ensure(kv.len() >= layout.min_len(sh), || {
-            "kv view is shorter than the layout".into()
-        })?;
-        ensure(
-            rows.tokens_per_group == self.tiles.tokens_per_cta(sh),
-            || {
-                format!(
-                    "rows were cut for {} tokens per CTA, the tiles take {}: upload again",
-                    rows.tokens_per_group,
-                    self.tiles.tokens_per_cta(sh)
-                )
-            },
-        )?;
+        let window = self.check_run_window(q, kv, layout, rows, window, out)?;
         if rows.groups == 0 {
             return Ok(());
         }
@@ -418,6 +397,43 @@ impl PrefillAttention {
         // upload against a pool of `layout.num_blocks` blocks.
         unsafe { b.launch(cfg) }?;
         Ok(())
+    }
+
+    /// The window, the layout and the sizes of `q`, `out` and `kv` fit `rows`, cut for these
+    /// tiles; returns the window as the kernel takes it (`i32::MAX`: none).
+    fn check_run_window(
+        &self,
+        q: &CudaSlice<bf16>,
+        kv: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        rows: &PrefillRows,
+        window: Option<usize>,
+        out: &CudaSlice<bf16>,
+    ) -> Result<i32, KernelError> {
+        let sh = &self.shape;
+        ensure(window != Some(0), || "window must be positive".into())?;
+        let window = window.map_or(i32::MAX, |w| w.min(i32::MAX as usize) as i32);
+        layout.validate(sh)?;
+        ensure(q.len() >= rows.num_q * sh.num_heads() * sh.d_qk, || {
+            "q is too short".into()
+        })?;
+        ensure(out.len() >= rows.num_q * sh.num_heads() * sh.d_v, || {
+            "out is too short".into()
+        })?;
+        ensure(kv.len() >= layout.min_len(sh), || {
+            "kv view is shorter than the layout".into()
+        })?;
+        ensure(
+            rows.tokens_per_group == self.tiles.tokens_per_cta(sh),
+            || {
+                format!(
+                    "rows were cut for {} tokens per CTA, the tiles take {}: upload again",
+                    rows.tokens_per_group,
+                    self.tiles.tokens_per_cta(sh)
+                )
+            },
+        )?;
+        Ok(window)
     }
 }
 
@@ -507,30 +523,39 @@ fn check_case(
         .iter()
         .map(|v| v.to_f64())
         .collect();
-    let t = att.tiles();
-    let detail = format!(
-        "kvh={} group={} d_qk={} d_v={} block {} tiles {}x{} keys ({} heads x {} tokens per CTA, {} stages) chunks (prefix, tokens) {chunks:?}{}",
-        shape.num_kv_heads,
-        shape.group,
-        shape.d_qk,
-        shape.d_v,
-        bs,
-        t.rows(),
-        t.keys_per_tile,
-        t.heads_per_cta(&shape),
-        t.tokens_per_cta(&shape),
-        t.stages,
-        match window {
-            Some(w) => format!(" window {w}"),
-            None => String::new(),
-        }
-    );
+    let detail = case_detail(&shape, &att.tiles(), chunks, window);
     Ok(CheckResult::from_stats(
         "prefill_attention",
         detail,
         ErrorStats::of(&got, &reference),
         BF16_TOL,
     ))
+}
+
+/// The description of one check case: the shape, the tiles, the chunks and the window.
+fn case_detail(
+    shape: &PagedAttentionShape,
+    t: &PrefillTiles,
+    chunks: &[(usize, usize)],
+    window: Option<usize>,
+) -> String {
+    format!(
+        "kvh={} group={} d_qk={} d_v={} block {} tiles {}x{} keys ({} heads x {} tokens per CTA, {} stages) chunks (prefix, tokens) {chunks:?}{}",
+        shape.num_kv_heads,
+        shape.group,
+        shape.d_qk,
+        shape.d_v,
+        shape.block_size,
+        t.rows(),
+        t.keys_per_tile,
+        t.heads_per_cta(shape),
+        t.tokens_per_cta(shape),
+        t.stages,
+        match window {
+            Some(w) => format!(" window {w}"),
+            None => String::new(),
+        }
+    )
 }
 
 pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {

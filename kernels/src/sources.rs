@@ -9,9 +9,19 @@ pub type Variant = (String, String, Vec<(&'static str, usize)>);
 
 /// Every variant the crate's checks and benchmarks compile.
 pub fn all_variants() -> Vec<Variant> {
-    use crate::attention::PagedAttentionShape as P;
     let mut v = Vec::new();
-    for s in [
+    push_paged_attention_variants(&mut v);
+    push_prefill_attention_variants(&mut v);
+    push_mla_variants(&mut v);
+    push_fixed_variants(&mut v);
+    v
+}
+
+/// The paged-attention shapes compiled: head widths of 64 to 576, one to eight KV heads,
+/// 16- and 128-token blocks.
+const PAGED_SHAPES: [crate::attention::PagedAttentionShape; 6] = {
+    use crate::attention::PagedAttentionShape as P;
+    [
         P {
             num_kv_heads: 2,
             group: 4,
@@ -54,7 +64,13 @@ pub fn all_variants() -> Vec<Variant> {
             d_v: 128,
             block_size: 128,
         },
-    ] {
+    ]
+};
+
+/// The paged-attention kernels at every checked shape: the CUDA-core kernel, and the
+/// tensor-core one (plain and swapped operands) where the shape takes it.
+fn push_paged_attention_variants(v: &mut Vec<Variant>) {
+    for s in PAGED_SHAPES {
         v.push((
             format!("paged_attention {s:?}"),
             crate::attention::source_for(&s),
@@ -83,6 +99,11 @@ pub fn all_variants() -> Vec<Variant> {
             }
         }
     }
+}
+
+/// The tensor-core prefill kernel at its default tiles.
+fn push_prefill_attention_variants(v: &mut Vec<Variant>) {
+    use crate::attention::PagedAttentionShape as P;
     for s in [
         P {
             num_kv_heads: 4,
@@ -107,6 +128,10 @@ pub fn all_variants() -> Vec<Variant> {
             ));
         }
     }
+}
+
+/// The MLA kernel at its default tiles and swapped with Q in registers.
+fn push_mla_variants(v: &mut Vec<Variant>) {
     for (s, rows) in [
         (crate::mla_attention::spec_shape(16), 16),
         (crate::mla_attention::spec_shape(16), 96),
@@ -127,6 +152,10 @@ pub fn all_variants() -> Vec<Variant> {
             crate::mla_attention::defines(&s, &c),
         ));
     }
+}
+
+/// The SWA kernel and the kernels without compile-time shapes.
+fn push_fixed_variants(v: &mut Vec<Variant>) {
     let sw = crate::swa::SwaShape {
         num_kv_heads: 2,
         group: 4,
@@ -148,7 +177,6 @@ pub fn all_variants() -> Vec<Variant> {
     ] {
         v.push((name.to_string(), src.to_string(), Vec::new()));
     }
-    v
 }
 
 /// Compiles every variant for `cc`; returns the PTX size of each.

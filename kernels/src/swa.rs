@@ -203,14 +203,10 @@ impl SwaAttention {
     }
 }
 
-pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
-    let shape = SwaShape {
-        num_kv_heads: 2,
-        group: 4,
-        head_dim: 64,
-    };
+/// The SWA GPU check's cases: a bounded replay, an exact window and a decode step.
+fn check_cases() -> [(&'static str, SwaRange); 3] {
     let h = 300; // replay boundary
-    let cases = [
+    [
         // bounded replay of [h - 128, h) plus 40 new tokens, truncated at h - 128
         (
             "bounded replay",
@@ -247,7 +243,16 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
                 trunc_start: 0,
             },
         ),
-    ];
+    ]
+}
+
+pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
+    let shape = SwaShape {
+        num_kv_heads: 2,
+        group: 4,
+        head_dim: 64,
+    };
+    let cases = check_cases();
     let sw = SwaAttention::new(gpu, shape)?;
     let mut out = Vec::new();
     for (i, (name, range)) in cases.iter().enumerate() {

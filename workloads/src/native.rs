@@ -331,6 +331,9 @@ const FIELDS: [&str; 7] = [
     "output_tokens",
 ];
 
+/// One record's JSON object.
+type Object = serde_json::Map<String, serde_json::Value>;
+
 fn parse_record(ctx: &Ctx<'_>, text: &str) -> Result<NativeRecord, TraceError> {
     let obj = &ctx.parse_object(text)?;
     if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
@@ -339,8 +342,26 @@ fn parse_record(ctx: &Ctx<'_>, text: &str) -> Result<NativeRecord, TraceError> {
             format!("unknown field (expected one of {})", FIELDS.join(", ")),
         ));
     }
+    let arrival = parse_arrival(ctx, obj)?;
+    let session = obj
+        .get("session")
+        .map(|v| u64_value(ctx, "session", v).map(SessionId))
+        .transpose()?;
+    let class = parse_class(ctx, obj)?;
+    let prompt = parse_prompt(ctx, obj)?;
+    let output = parse_output(ctx, obj)?;
+    Ok(NativeRecord {
+        arrival,
+        session,
+        class,
+        prompt,
+        output,
+    })
+}
 
-    let arrival = match (obj.get("arrival_ns"), obj.get("arrival_ms")) {
+/// `arrival_ns` or `arrival_ms` (exactly one), within the horizon.
+fn parse_arrival(ctx: &Ctx<'_>, obj: &Object) -> Result<Nanos, TraceError> {
+    Ok(match (obj.get("arrival_ns"), obj.get("arrival_ms")) {
         (Some(v), None) => Nanos(u64_value(ctx, "arrival_ns", v)?)
             .within_horizon()
             .map_err(|e| ctx.field("arrival_ns", e))?,
@@ -355,31 +376,30 @@ fn parse_record(ctx: &Ctx<'_>, text: &str) -> Result<NativeRecord, TraceError> {
             ));
         }
         (None, None) => return Err(ctx.field("arrival_ms", "missing (or give arrival_ns)")),
+    })
+}
+
+/// `class`: agent, chat or other (other when absent).
+fn parse_class(ctx: &Ctx<'_>, obj: &Object) -> Result<TrafficClass, TraceError> {
+    let Some(v) = obj.get("class") else {
+        return Ok(TrafficClass::Other);
     };
+    let s = v.as_str().ok_or_else(|| {
+        ctx.field(
+            "class",
+            format!("expected a string, got {}", lines::kind(v)),
+        )
+    })?;
+    TrafficClass::parse(s).ok_or_else(|| {
+        ctx.field(
+            "class",
+            format!("unknown class {s:?} (expected agent, chat or other)"),
+        )
+    })
+}
 
-    let session = obj
-        .get("session")
-        .map(|v| u64_value(ctx, "session", v).map(SessionId))
-        .transpose()?;
-
-    let class = match obj.get("class") {
-        None => TrafficClass::Other,
-        Some(v) => {
-            let s = v.as_str().ok_or_else(|| {
-                ctx.field(
-                    "class",
-                    format!("expected a string, got {}", lines::kind(v)),
-                )
-            })?;
-            TrafficClass::parse(s).ok_or_else(|| {
-                ctx.field(
-                    "class",
-                    format!("unknown class {s:?} (expected agent, chat or other)"),
-                )
-            })?
-        }
-    };
-
+/// `prompt`: a non-empty array of `[segment_id, tokens]`.
+fn parse_prompt(ctx: &Ctx<'_>, obj: &Object) -> Result<Vec<(SegmentId, u32)>, TraceError> {
     let prompt_value = obj
         .get("prompt")
         .ok_or_else(|| ctx.field("prompt", "missing"))?;
@@ -395,13 +415,16 @@ fn parse_record(ctx: &Ctx<'_>, text: &str) -> Result<NativeRecord, TraceError> {
     if items.is_empty() {
         return Err(ctx.field("prompt", "must hold at least one segment"));
     }
-    let prompt = items
+    items
         .iter()
         .enumerate()
         .map(|(j, item)| segment_pair(ctx, &format!("prompt[{j}]"), item))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect()
+}
 
-    let output = match (obj.get("output"), obj.get("output_tokens")) {
+/// `output` (a segment) or `output_tokens` (a count), exactly one.
+fn parse_output(ctx: &Ctx<'_>, obj: &Object) -> Result<NativeOutput, TraceError> {
+    Ok(match (obj.get("output"), obj.get("output_tokens")) {
         (Some(v), None) => {
             let (id, n) = segment_pair(ctx, "output", v)?;
             NativeOutput::Segment(id, n)
@@ -411,14 +434,6 @@ fn parse_record(ctx: &Ctx<'_>, text: &str) -> Result<NativeRecord, TraceError> {
             return Err(ctx.field("output", "give either output or output_tokens, not both"));
         }
         (None, None) => return Err(ctx.field("output", "missing (or give output_tokens)")),
-    };
-
-    Ok(NativeRecord {
-        arrival,
-        session,
-        class,
-        prompt,
-        output,
     })
 }
 

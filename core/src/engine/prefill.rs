@@ -368,66 +368,12 @@ impl PrefillEngine {
             return false;
         }
         match self.policy.clone() {
-            ChunkPolicy::FixedSize { chunk_tokens } => {
-                let mut left = chunk_tokens;
-                for j in self.queue.iter().filter(|j| j.ready) {
-                    if left == 0 {
-                        break;
-                    }
-                    let n = j.remaining().min(left);
-                    plan.chunks.push(j.chunk(n));
-                    left -= n;
-                }
-            }
+            ChunkPolicy::FixedSize { chunk_tokens } => self.plan_fixed(chunk_tokens, plan),
             ChunkPolicy::TimeBudgeted {
                 token_budget,
                 time_budget,
                 min_chunk_tokens,
-            } => {
-                let limit = time_budget.0 as f64;
-                let mut left = token_budget;
-                let mut used = self.model.base_ns;
-                if let Some(j) = self.queue.iter().find(|j| j.ready) {
-                    used += self
-                        .model
-                        .expert_reads_bound_ns(j.new_token_layers + j.decoder_layers);
-                }
-                for j in self.queue.iter().filter(|j| j.ready) {
-                    if left == 0 {
-                        break;
-                    }
-                    let cap = j.remaining().min(left);
-                    let cost = |n: u32| self.model.chunk_ns(&j.chunk(n), self.imbalance);
-                    // Largest n in [1, cap] with used + cost(n) <= limit (cost grows with n).
-                    let n = if used + cost(cap) <= limit {
-                        cap
-                    } else if used + cost(1) > limit {
-                        0
-                    } else {
-                        let (mut lo, mut hi) = (1, cap);
-                        while lo < hi {
-                            let mid = lo + (hi - lo).div_ceil(2);
-                            if used + cost(mid) <= limit {
-                                lo = mid;
-                            } else {
-                                hi = mid - 1;
-                            }
-                        }
-                        lo
-                    };
-                    let n = if plan.chunks.is_empty() {
-                        n.max(min_chunk_tokens.min(cap))
-                    } else {
-                        n
-                    };
-                    if n == 0 {
-                        break;
-                    }
-                    used += cost(n);
-                    plan.chunks.push(j.chunk(n));
-                    left -= n;
-                }
-            }
+            } => self.plan_time_budgeted(token_budget, time_budget, min_chunk_tokens, plan),
         }
         if plan.chunks.is_empty() {
             return false;
@@ -439,6 +385,58 @@ impl PrefillEngine {
         }
         self.busy = true;
         true
+    }
+
+    /// Ready jobs in queue order, each as much as fits in `chunk_tokens` tokens in all.
+    fn plan_fixed(&self, chunk_tokens: u32, plan: &mut PrefillPlan) {
+        let mut left = chunk_tokens;
+        for j in self.queue.iter().filter(|j| j.ready) {
+            if left == 0 {
+                break;
+            }
+            let n = j.remaining().min(left);
+            plan.chunks.push(j.chunk(n));
+            left -= n;
+        }
+    }
+
+    /// Ready jobs in queue order, each chunk as long as the predicted step stays within
+    /// `time_budget` and `token_budget` tokens; the first chunk has at least
+    /// `min_chunk_tokens` (or all its job has left).
+    fn plan_time_budgeted(
+        &self,
+        token_budget: u32,
+        time_budget: Nanos,
+        min_chunk_tokens: u32,
+        plan: &mut PrefillPlan,
+    ) {
+        let limit = time_budget.0 as f64;
+        let mut left = token_budget;
+        let mut used = self.model.base_ns;
+        if let Some(j) = self.queue.iter().find(|j| j.ready) {
+            used += self
+                .model
+                .expert_reads_bound_ns(j.new_token_layers + j.decoder_layers);
+        }
+        for j in self.queue.iter().filter(|j| j.ready) {
+            if left == 0 {
+                break;
+            }
+            let cap = j.remaining().min(left);
+            let cost = |n: u32| self.model.chunk_ns(&j.chunk(n), self.imbalance);
+            let n = largest_within(cap, |n| used + cost(n) <= limit);
+            let n = if plan.chunks.is_empty() {
+                n.max(min_chunk_tokens.min(cap))
+            } else {
+                n
+            };
+            if n == 0 {
+                break;
+            }
+            used += cost(n);
+            plan.chunks.push(j.chunk(n));
+            left -= n;
+        }
     }
 
     /// Applies a finished step: advances each chunk's job and moves completed jobs to `done`.
@@ -458,6 +456,27 @@ impl PrefillEngine {
                 i += 1;
             }
         }
+    }
+}
+
+/// The largest n in [1, cap] for which `fits(n)` holds, 0 when none does; `fits` must hold
+/// for every n below one it holds for (a cost that grows with n under a limit).
+fn largest_within(cap: u32, fits: impl Fn(u32) -> bool) -> u32 {
+    if fits(cap) {
+        cap
+    } else if !fits(1) {
+        0
+    } else {
+        let (mut lo, mut hi) = (1, cap);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
     }
 }
 

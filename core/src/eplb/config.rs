@@ -297,6 +297,33 @@ pub struct EpGroup {
 
 impl EpGroup {
     pub fn validate(&self, model: &MoeModel, policy: &PlacementPolicy) -> Result<(), ConfigError> {
+        self.check_counts()?;
+        self.check_hierarchy(model, policy)?;
+        if !(self.link_bytes_per_s.is_finite() && self.link_bytes_per_s > 0.0) {
+            return Err(ConfigError::invalid(
+                "ep.link_bytes_per_s",
+                format!("{} must be positive", self.link_bytes_per_s),
+            ));
+        }
+        match policy {
+            PlacementPolicy::NoRedundancy | PlacementPolicy::RoundRobin => {
+                if !model.experts.is_multiple_of(self.gpus) {
+                    return Err(ConfigError::invalid(
+                        "ep.gpus",
+                        format!(
+                            "{} GPUs cannot hold {} experts evenly without redundancy",
+                            self.gpus, model.experts
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+            PlacementPolicy::Eplb(s) => self.check_eplb(model, s),
+        }
+    }
+
+    /// At least one GPU (and no more than accepted) on at least one node.
+    fn check_counts(&self) -> Result<(), ConfigError> {
         if self.gpus == 0 {
             return Err(ConfigError::invalid("ep.gpus", "must be at least 1"));
         }
@@ -312,9 +339,17 @@ impl EpGroup {
         if self.nodes == 0 {
             return Err(ConfigError::invalid("ep.nodes", "must be at least 1"));
         }
-        // EPLB runs hierarchically (and then needs the nodes to divide the GPUs and the groups
-        // to divide the experts) exactly when DeepSeek's reference does; a static placement
-        // only needs the GPUs to hold the experts evenly.
+        Ok(())
+    }
+
+    /// EPLB runs hierarchically (and then needs the nodes to divide the GPUs and the groups
+    /// to divide the experts) exactly when DeepSeek's reference does; a static placement only
+    /// needs the GPUs to hold the experts evenly.
+    fn check_hierarchy(
+        &self,
+        model: &MoeModel,
+        policy: &PlacementPolicy,
+    ) -> Result<(), ConfigError> {
         let (groups, nodes) = match policy {
             PlacementPolicy::Eplb(s) => s.groups_and_nodes(model, self),
             PlacementPolicy::NoRedundancy | PlacementPolicy::RoundRobin => (1, 1),
@@ -342,80 +377,65 @@ impl EpGroup {
                 ),
             ));
         }
-        if !(self.link_bytes_per_s.is_finite() && self.link_bytes_per_s > 0.0) {
+        Ok(())
+    }
+
+    /// EPLB's window and reassignment period, and its slots: within what a layer and the
+    /// placement accept, evenly over the GPUs.
+    fn check_eplb(&self, model: &MoeModel, s: &EplbSettings) -> Result<(), ConfigError> {
+        if s.window_steps == 0 {
             return Err(ConfigError::invalid(
-                "ep.link_bytes_per_s",
-                format!("{} must be positive", self.link_bytes_per_s),
+                "placement.window_steps",
+                "must be at least 1",
             ));
         }
-        match policy {
-            PlacementPolicy::NoRedundancy | PlacementPolicy::RoundRobin => {
-                if !model.experts.is_multiple_of(self.gpus) {
-                    return Err(ConfigError::invalid(
-                        "ep.gpus",
-                        format!(
-                            "{} GPUs cannot hold {} experts evenly without redundancy",
-                            self.gpus, model.experts
-                        ),
-                    ));
-                }
-            }
-            PlacementPolicy::Eplb(s) => {
-                if s.window_steps == 0 {
-                    return Err(ConfigError::invalid(
-                        "placement.window_steps",
-                        "must be at least 1",
-                    ));
-                }
-                if s.reassign_every_steps < s.window_steps {
-                    return Err(ConfigError::invalid(
-                        "placement.reassign_every_steps",
-                        format!(
-                            "{} is shorter than window_steps ({}): the window is the last \
-                             window_steps steps before each reassignment",
-                            s.reassign_every_steps, s.window_steps
-                        ),
-                    ));
-                }
-                let Some(slots) = s
-                    .redundant_per_gpu
-                    .checked_mul(self.gpus)
-                    .and_then(|r| r.checked_add(model.experts))
-                    .filter(|&n| n <= super::rebalance::MAX_REPLICAS)
-                else {
-                    return Err(ConfigError::invalid(
-                        "placement.redundant_per_gpu",
-                        format!(
-                            "{} experts + {} redundant × {} GPUs is more than the {} slots a \
-                             layer accepts",
-                            model.experts,
-                            s.redundant_per_gpu,
-                            self.gpus,
-                            super::rebalance::MAX_REPLICAS
-                        ),
-                    ));
-                };
-                if model.layers as u64 * slots as u64 > super::rebalance::MAX_CELLS {
-                    return Err(ConfigError::invalid(
-                        "placement.redundant_per_gpu",
-                        format!(
-                            "{} layers × {slots} slots is more than the {} placement entries \
-                             accepted",
-                            model.layers,
-                            super::rebalance::MAX_CELLS
-                        ),
-                    ));
-                }
-                if !slots.is_multiple_of(self.gpus) {
-                    return Err(ConfigError::invalid(
-                        "ep.gpus",
-                        format!(
-                            "{} experts do not divide evenly over {} GPUs",
-                            model.experts, self.gpus
-                        ),
-                    ));
-                }
-            }
+        if s.reassign_every_steps < s.window_steps {
+            return Err(ConfigError::invalid(
+                "placement.reassign_every_steps",
+                format!(
+                    "{} is shorter than window_steps ({}): the window is the last \
+                     window_steps steps before each reassignment",
+                    s.reassign_every_steps, s.window_steps
+                ),
+            ));
+        }
+        let Some(slots) = s
+            .redundant_per_gpu
+            .checked_mul(self.gpus)
+            .and_then(|r| r.checked_add(model.experts))
+            .filter(|&n| n <= super::rebalance::MAX_REPLICAS)
+        else {
+            return Err(ConfigError::invalid(
+                "placement.redundant_per_gpu",
+                format!(
+                    "{} experts + {} redundant × {} GPUs is more than the {} slots a \
+                     layer accepts",
+                    model.experts,
+                    s.redundant_per_gpu,
+                    self.gpus,
+                    super::rebalance::MAX_REPLICAS
+                ),
+            ));
+        };
+        if model.layers as u64 * slots as u64 > super::rebalance::MAX_CELLS {
+            return Err(ConfigError::invalid(
+                "placement.redundant_per_gpu",
+                format!(
+                    "{} layers × {slots} slots is more than the {} placement entries \
+                     accepted",
+                    model.layers,
+                    super::rebalance::MAX_CELLS
+                ),
+            ));
+        }
+        if !slots.is_multiple_of(self.gpus) {
+            return Err(ConfigError::invalid(
+                "ep.gpus",
+                format!(
+                    "{} experts do not divide evenly over {} GPUs",
+                    model.experts, self.gpus
+                ),
+            ));
         }
         Ok(())
     }

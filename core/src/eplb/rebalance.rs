@@ -192,6 +192,30 @@ fn validate(
             return Err(EplbError::Zero { name });
         }
     }
+    let experts = validate_loads(weight)?;
+    validate_replicas(weight.len(), experts, num_replicas, num_gpus)?;
+    // The global policy is the hierarchical one with one group on one node: these two checks
+    // are the reference's only for the hierarchical policy.
+    if is_hierarchical(num_groups, num_nodes) {
+        if !experts.is_multiple_of(num_groups) {
+            return Err(EplbError::ExpertsNotDivisibleByGroups {
+                experts,
+                groups: num_groups,
+            });
+        }
+        if !num_gpus.is_multiple_of(num_nodes) {
+            return Err(EplbError::GpusNotDivisibleByNodes {
+                gpus: num_gpus,
+                nodes: num_nodes,
+            });
+        }
+    }
+    Ok(experts)
+}
+
+/// Checks that `weight` has layers of one nonzero width and only finite, non-negative loads;
+/// returns the width (the number of experts).
+fn validate_loads(weight: &[Vec<f32>]) -> Result<usize, EplbError> {
     let first = weight.first().ok_or(EplbError::NoLayers)?;
     let experts = first.len();
     if experts == 0 {
@@ -218,6 +242,17 @@ fn validate(
             });
         }
     }
+    Ok(experts)
+}
+
+/// Checks that `num_replicas` slots spread evenly over the GPUs, hold every expert, and stay
+/// within the accepted sizes over `layers` layers.
+fn validate_replicas(
+    layers: usize,
+    experts: usize,
+    num_replicas: usize,
+    num_gpus: usize,
+) -> Result<(), EplbError> {
     if !num_replicas.is_multiple_of(num_gpus) {
         return Err(EplbError::ReplicasNotMultipleOfGpus {
             replicas: num_replicas,
@@ -237,7 +272,7 @@ fn validate(
             max: MAX_REPLICAS as u64,
         });
     }
-    let cells = weight.len() as u128 * num_replicas as u128;
+    let cells = layers as u128 * num_replicas as u128;
     if cells > u128::from(MAX_CELLS) {
         return Err(EplbError::TooLarge {
             what: "phy2log (layers × num_replicas)",
@@ -245,23 +280,7 @@ fn validate(
             max: MAX_CELLS,
         });
     }
-    // The global policy is the hierarchical one with one group on one node: these two checks
-    // are the reference's only for the hierarchical policy.
-    if is_hierarchical(num_groups, num_nodes) {
-        if !experts.is_multiple_of(num_groups) {
-            return Err(EplbError::ExpertsNotDivisibleByGroups {
-                experts,
-                groups: num_groups,
-            });
-        }
-        if !num_gpus.is_multiple_of(num_nodes) {
-            return Err(EplbError::GpusNotDivisibleByNodes {
-                gpus: num_gpus,
-                nodes: num_nodes,
-            });
-        }
-    }
-    Ok(experts)
+    Ok(())
 }
 
 /// Places `num_replicas` physical expert slots over `num_gpus` GPUs for every layer of

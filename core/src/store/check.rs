@@ -146,13 +146,47 @@ impl KvStore {
     /// The listed objects: within their TTL, sized, counted, named by the map exactly once,
     /// and adding up to the store's, the groups' and the capacity's byte counts.
     fn check_objects(&self, listed: &[u64]) -> Result<(), String> {
-        let n = self.slab.len();
+        let t = self.tally_listed(listed)?;
+        if t.count + self.free.len() as u64 != self.slab.len() as u64 {
+            return Err("slab slots neither stored nor free".into());
+        }
+        if t.count != self.map.len() as u64 || t.count != self.stats.objects {
+            return Err(format!(
+                "{} objects in LRU, {} in map",
+                t.count,
+                self.map.len()
+            ));
+        }
+        self.check_map_names(listed, t.want_slots)?;
+        let bytes = t.bytes;
+        if bytes != self.stats.used_bytes {
+            return Err(format!(
+                "{bytes} bytes listed, {} counted",
+                self.stats.used_bytes
+            ));
+        }
+        if let Some(cap) = self.cfg.capacity_bytes
+            && bytes > cap
+        {
+            return Err(format!("{bytes} bytes stored over capacity {cap}"));
+        }
+        if t.shares != self.start_shares || t.objects != self.start_objects {
+            return Err("per-group accounting drifted".into());
+        }
+        Ok(())
+    }
+
+    /// Checks each listed object (within its TTL, sized, in a group that kept its objects)
+    /// and sums them up.
+    fn tally_listed(&self, listed: &[u64]) -> Result<ListedTally, String> {
         let groups = self.cfg.storage_nodes as usize;
-        let (mut shares, mut objects) = (vec![0u64; groups], vec![0u32; groups]);
-        let mut count = 0u64;
-        let mut bytes = 0u64;
-        // Σ mix64 of the map slot each listed object should have (fingerprint and index).
-        let mut want_slots = 0u64;
+        let mut t = ListedTally {
+            shares: vec![0u64; groups],
+            objects: vec![0u32; groups],
+            count: 0,
+            bytes: 0,
+            want_slots: 0,
+        };
         for i in set_bits(listed) {
             let e = &self.slab[i as usize];
             if e.expires <= self.now {
@@ -165,33 +199,31 @@ impl KvStore {
                 return Err(format!("object {:?} has no size", e.key));
             };
             let s = self.start_of(e.key) as usize;
-            shares[s] += self.share_of(size);
-            objects[s] += 1;
+            t.shares[s] += self.share_of(size);
+            t.objects[s] += 1;
             if self.nodes.is_lost(s as u32) {
                 return Err(format!(
                     "object {:?} is stored in group {s}, which lost its objects",
                     e.key
                 ));
             }
-            count += 1;
-            bytes += size;
-            want_slots = want_slots.wrapping_add(mix64(KeyTable::pack(e.key.0, i)));
+            t.count += 1;
+            t.bytes += size;
+            t.want_slots = t.want_slots.wrapping_add(mix64(KeyTable::pack(e.key.0, i)));
         }
-        if count + self.free.len() as u64 != n as u64 {
-            return Err("slab slots neither stored nor free".into());
-        }
-        if count != self.map.len() as u64 || count != self.stats.objects {
-            return Err(format!("{count} objects in LRU, {} in map", self.map.len()));
-        }
-        // The map names each listed slot exactly once (as many entries as listed slots, each
-        // naming a distinct listed slot), and its entries carry the fingerprints of the listed
-        // keys: the sums of mix64 over the slots the map holds and over the slots the list
-        // implies agree (a wrong fingerprint changes the sum but for a 2^-64 chance). One
-        // sequential pass over the map, reading nothing else: checking each entry's key in the
-        // slab instead costs a cache and TLB miss per object on a GiB-sized slab.
-        // The slots the map names go in a second bitmap (in hash order, so one random access
-        // per entry: reading the listed bitmap there too doubled them); named twice is caught
-        // there, and named but not listed by comparing the bitmaps word by word after.
+        Ok(t)
+    }
+
+    /// The map names each listed slot exactly once (as many entries as listed slots, each
+    /// naming a distinct listed slot), and its entries carry the fingerprints of the listed
+    /// keys: the sums of mix64 over the slots the map holds and over the slots the list
+    /// implies (`want_slots`) agree (a wrong fingerprint changes the sum but for a 2^-64
+    /// chance). One sequential pass over the map, reading nothing else: checking each entry's
+    /// key in the slab instead costs a cache and TLB miss per object on a GiB-sized slab.
+    /// The slots the map names go in a second bitmap (in hash order, so one random access per
+    /// entry: reading the listed bitmap there too doubled them); named twice is caught there,
+    /// and named but not listed by comparing the bitmaps word by word after.
+    fn check_map_names(&self, listed: &[u64], want_slots: u64) -> Result<(), String> {
         let mut named = vec![0u64; listed.len()];
         let mut have_slots = 0u64;
         for &slot in self.map.slots.iter().filter(|&&s| s != 0) {
@@ -211,20 +243,6 @@ impl KvStore {
         }
         if have_slots != want_slots {
             return Err("map entry does not match its object's key".into());
-        }
-        if bytes != self.stats.used_bytes {
-            return Err(format!(
-                "{bytes} bytes listed, {} counted",
-                self.stats.used_bytes
-            ));
-        }
-        if let Some(cap) = self.cfg.capacity_bytes
-            && bytes > cap
-        {
-            return Err(format!("{bytes} bytes stored over capacity {cap}"));
-        }
-        if shares != self.start_shares || objects != self.start_objects {
-            return Err("per-group accounting drifted".into());
         }
         Ok(())
     }
@@ -276,6 +294,16 @@ impl KvStore {
         }
         Ok(())
     }
+}
+
+/// What the listed objects add up to, per start group and in all.
+struct ListedTally {
+    shares: Vec<u64>,
+    objects: Vec<u32>,
+    count: u64,
+    bytes: u64,
+    /// Σ mix64 of the map slot each listed object should have (fingerprint and index).
+    want_slots: u64,
 }
 
 /// Indices of the set bits of a bitmap, in ascending order.

@@ -397,77 +397,10 @@ impl StoreConfig {
         // (node, at, repair_at, entry) of every scheduled failure, to find overlaps.
         let mut spans: Vec<(u32, Nanos, Nanos, usize)> = Vec::new();
         for (i, f) in self.failures.iter().enumerate() {
-            let field = |k: &str| format!("failures[{i}].{k}");
-            let nodes = match (f.node, f.nodes.is_empty()) {
-                (Some(_), false) => {
-                    return bad(&field("nodes"), "give node or nodes, not both".into());
-                }
-                (None, true) => return bad(&field("nodes"), "names no node".into()),
-                _ => f.failed_nodes(),
-            };
-            if nodes.len() as u64 > u64::from(n) {
-                return bad(
-                    &field("nodes"),
-                    format!("{} failures but the cluster has {n} nodes", nodes.len()),
-                );
-            }
-            for (k, &node) in nodes.iter().enumerate() {
-                let key = if f.node.is_some() {
-                    field("node")
-                } else {
-                    field(&format!("nodes[{k}]"))
-                };
-                if node >= n {
-                    return bad(
-                        &key,
-                        format!("node {node} does not exist (storage_nodes = {n}: 0..{n})"),
-                    );
-                }
-                if nodes[..k].contains(&node) {
-                    return bad(&key, format!("node {node} is named twice"));
-                }
-            }
-            if f.at > Nanos::HORIZON {
-                return bad(
-                    &field("at"),
-                    format!("{} is beyond the horizon of 146 years", f.at),
-                );
-            }
-            let end = match f.repair_at {
-                Some(r) if r <= f.at => {
-                    return bad(
-                        &field("repair_at"),
-                        format!("repair at {r} is not after the failure at {}", f.at),
-                    );
-                }
-                Some(r) if r > Nanos::HORIZON => {
-                    return bad(
-                        &field("repair_at"),
-                        format!("{r} is beyond the horizon of 146 years"),
-                    );
-                }
-                Some(r) => r,
-                None => Nanos::NEVER,
-            };
+            let (nodes, end) = failure_span(i, f, n)?;
             spans.extend(nodes.iter().map(|&node| (node, f.at, end, i)));
         }
-        spans.sort_unstable();
-        for w in spans.windows(2) {
-            let ((node, _, end, i), (next_node, at, _, j)) = (w[0], w[1]);
-            if node == next_node && at < end {
-                return bad(
-                    &format!("failures[{j}].at"),
-                    format!(
-                        "node {node} fails at {at} while still down from failures[{i}] (until {})",
-                        if end.is_never() {
-                            "never repaired".to_string()
-                        } else {
-                            end.to_string()
-                        }
-                    ),
-                );
-            }
-        }
+        check_overlaps(spans)?;
         if let Some(r) = &self.random_failures {
             for (k, v) in [("mtbf", r.mtbf), ("mttr", r.mttr)] {
                 if v == Nanos::ZERO || v > Nanos::HORIZON {
@@ -497,6 +430,87 @@ impl StoreConfig {
     }
 }
 
-fn bad(field: &str, why: String) -> Result<(), ConfigError> {
+fn bad<T>(field: &str, why: String) -> Result<T, ConfigError> {
     Err(ConfigError::invalid(format!("store.{field}"), why))
+}
+
+/// Checks scheduled failure `i` on a cluster of `n` nodes; returns the nodes it fails and
+/// when they are repaired ([`Nanos::NEVER`] without a repair).
+fn failure_span(i: usize, f: &ScheduledFailure, n: u32) -> Result<(Vec<u32>, Nanos), ConfigError> {
+    let field = |k: &str| format!("failures[{i}].{k}");
+    let nodes = match (f.node, f.nodes.is_empty()) {
+        (Some(_), false) => {
+            return bad(&field("nodes"), "give node or nodes, not both".into());
+        }
+        (None, true) => return bad(&field("nodes"), "names no node".into()),
+        _ => f.failed_nodes(),
+    };
+    if nodes.len() as u64 > u64::from(n) {
+        return bad(
+            &field("nodes"),
+            format!("{} failures but the cluster has {n} nodes", nodes.len()),
+        );
+    }
+    for (k, &node) in nodes.iter().enumerate() {
+        let key = if f.node.is_some() {
+            field("node")
+        } else {
+            field(&format!("nodes[{k}]"))
+        };
+        if node >= n {
+            return bad(
+                &key,
+                format!("node {node} does not exist (storage_nodes = {n}: 0..{n})"),
+            );
+        }
+        if nodes[..k].contains(&node) {
+            return bad(&key, format!("node {node} is named twice"));
+        }
+    }
+    if f.at > Nanos::HORIZON {
+        return bad(
+            &field("at"),
+            format!("{} is beyond the horizon of 146 years", f.at),
+        );
+    }
+    let end = match f.repair_at {
+        Some(r) if r <= f.at => {
+            return bad(
+                &field("repair_at"),
+                format!("repair at {r} is not after the failure at {}", f.at),
+            );
+        }
+        Some(r) if r > Nanos::HORIZON => {
+            return bad(
+                &field("repair_at"),
+                format!("{r} is beyond the horizon of 146 years"),
+            );
+        }
+        Some(r) => r,
+        None => Nanos::NEVER,
+    };
+    Ok((nodes, end))
+}
+
+/// Checks that no scheduled failure of a node starts while an earlier one still holds it
+/// down; `spans` are (node, at, repair_at, entry).
+fn check_overlaps(mut spans: Vec<(u32, Nanos, Nanos, usize)>) -> Result<(), ConfigError> {
+    spans.sort_unstable();
+    for w in spans.windows(2) {
+        let ((node, _, end, i), (next_node, at, _, j)) = (w[0], w[1]);
+        if node == next_node && at < end {
+            return bad(
+                &format!("failures[{j}].at"),
+                format!(
+                    "node {node} fails at {at} while still down from failures[{i}] (until {})",
+                    if end.is_never() {
+                        "never repaired".to_string()
+                    } else {
+                        end.to_string()
+                    }
+                ),
+            );
+        }
+    }
+    Ok(())
 }

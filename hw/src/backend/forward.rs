@@ -16,7 +16,7 @@ use servelab_kernels::moe::Routing;
 use servelab_kernels::prefill_attention::PrefillRows;
 use servelab_kernels::swa::SwaRange;
 
-use super::model::{LayerWeights, ModelShape};
+use super::model::{CrossWeights, LayerWeights, ModelShape};
 use super::{BackendError, CudaBackend, Kernels, Moves};
 
 /// Per-step activations, sized for up to `tokens` tokens and `kbuf_rows` SWA key rows. The
@@ -349,105 +349,18 @@ fn layer(
     sc: &mut Scratch,
 ) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
-    let (hd, qd, row) = (m.hidden, m.q_dim(), m.kv_row());
+    let (hd, qd) = (m.hidden, m.q_dim());
     let scale = 1.0 / (m.head_dim as f32).sqrt();
-    let s = &g.stream;
-    c.mark(Phase::Elementwise)?;
-    k.norm
-        .run(g, &sc.h, &lw.attn_norm, t, hd, m.norm_eps, &mut sc.xn)?;
-    c.mark(Phase::Gemm)?;
-    linear_bf16(g, &sc.xn, &lw.wq, &mut sc.q, t, qd, hd)?;
-    linear_bf16(g, &sc.xn, &lw.wk, &mut sc.k, t, row, hd)?;
-    c.mark(Phase::Elementwise)?;
-    k.rope_q.run(g, &mut sc.q, pos)?;
-    k.rope_k.run(g, &mut sc.k, pos)?;
-    let layer_off = ring_layer * m.block_size * row;
-    let rl = &c.ring_layout;
+    project_qk(c, lw, t, pos, sc)?;
+    let layer_off = ring_layer * m.block_size * m.kv_row();
     c.mark(Phase::Swa)?;
     match swa {
         Swa::Chunks(chunks, tiles) => {
-            for ch in chunks.iter() {
-                // the window before the chunk, from the ring, in runs inside one ring block
-                let mut p = ch.lo;
-                let mut dst = ch.kb0;
-                while p < ch.pos0 {
-                    let run = (ch.pos0 - p).min(m.block_size - p % m.block_size);
-                    let src = layer_off
-                        + ring_slot(m, ch.ring, p) as usize / m.block_size * rl.block_stride
-                        + (p % m.block_size) * row;
-                    s.memcpy_dtod(
-                        &rings.slice(src..src + run * row),
-                        &mut sc.kbuf.slice_mut(dst * row..(dst + run) * row),
-                    )?;
-                    p += run;
-                    dst += run;
-                }
-                if ch.n > 0 {
-                    s.memcpy_dtod(
-                        &sc.k.slice(ch.tok0 * row..(ch.tok0 + ch.n) * row),
-                        &mut sc.kbuf.slice_mut(dst * row..(dst + ch.n) * row),
-                    )?;
-                }
-            }
-            let mut view = rings.slice_mut(layer_off..);
-            // SAFETY: every slot was built by `ring_slot` for a ring the tiers handed out.
-            unsafe {
-                k.att
-                    .write_kv_unchecked(g, &sc.k, t, ring_slots, &mut view, rl)
-            }?;
-            if let (Some(st), Some(pk)) = (tiles, &k.prefill) {
-                pk.run_window(
-                    g,
-                    &sc.q,
-                    &sc.kbuf.as_view(),
-                    &st.layout,
-                    &st.rows,
-                    scale,
-                    Some(m.window),
-                    &mut sc.att,
-                )?;
-            }
-            for ch in chunks
-                .iter()
-                .filter(|c| c.n > 0 && (tiles.is_none() || k.prefill.is_none()))
-            {
-                let num_k = ch.pos0 - ch.lo + ch.n;
-                let range = SwaRange {
-                    num_q: ch.n,
-                    num_k,
-                    q_pos0: ch.pos0,
-                    k_pos0: ch.lo,
-                    window: m.window,
-                    trunc_start: ch.trunc,
-                };
-                let kv = sc.kbuf.slice(ch.kb0 * row..(ch.kb0 + num_k) * row);
-                k.swa.run(
-                    g,
-                    &range,
-                    &sc.q.slice(ch.tok0 * qd..(ch.tok0 + ch.n) * qd),
-                    &kv,
-                    &kv,
-                    scale,
-                    &mut sc.att.slice_mut(ch.tok0 * qd..(ch.tok0 + ch.n) * qd),
-                )?;
-            }
+            swa_chunks(
+                c, chunks, *tiles, rings, layer_off, t, ring_slots, scale, sc,
+            )?;
         }
-        Swa::Ring(rows) => {
-            {
-                let mut view = rings.slice_mut(layer_off..);
-                // SAFETY: as above.
-                unsafe {
-                    k.att
-                        .write_kv_unchecked(g, &sc.k, t, ring_slots, &mut view, rl)
-                }?;
-            }
-            let tps = k.att.default_tokens_per_split(rows);
-            k.att.ensure_workspace(g, rows, tps, &mut sc.att_ws)?;
-            let ws = sc.att_ws.as_mut().expect("ensured above");
-            let view = rings.slice(layer_off..);
-            k.att
-                .run(g, &sc.q, &view, rl, rows, tps, ws, scale, &mut sc.att)?;
-        }
+        Swa::Ring(rows) => swa_ring(c, rows, rings, layer_off, t, ring_slots, scale, sc)?,
     }
     c.mark(Phase::Gemm)?;
     linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
@@ -457,51 +370,246 @@ fn layer(
         own: Some((gl_layer, slots)),
     }) = cross
     {
-        // encoder: the same rows also go to this layer's global KV, attended causally from 0
-        let off = gl_layer * m.block_size * row;
-        {
-            let mut view = pool.slice_mut(off..);
-            // SAFETY: slots address blocks the tiers placed for the step's sequences.
-            unsafe {
-                k.att
-                    .write_kv_unchecked(g, &sc.k, t, slots, &mut view, &c.global_layout)
-            }?;
-        }
-        c.global_attention(
-            rows,
-            &sc.q,
-            &pool.slice(off..),
-            scale,
-            &mut sc.att,
-            &mut sc.att_ws,
-        )?;
-        c.mark(Phase::Gemm)?;
-        linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
-        c.mark(Phase::Elementwise)?;
+        own_global_attention(c, lw, pool, *gl_layer, slots, rows, t, scale, sc)?;
     }
     if let (Some(cw), Some(cr)) = (&lw.cross, cross) {
-        k.norm
-            .run(g, &sc.h, &cw.norm, t, hd, m.norm_eps, &mut sc.xn)?;
-        c.mark(Phase::Gemm)?;
-        linear_bf16(g, &sc.xn, &cw.wq, &mut sc.q, t, qd, hd)?;
-        let off = m.encoder_layers * m.block_size * row;
-        c.global_attention(
-            &cr.rows,
-            &sc.q,
-            &pool.slice(off..),
-            scale,
-            &mut sc.att,
-            &mut sc.att_ws,
-        )?;
-        c.mark(Phase::Gemm)?;
-        linear_bf16_beta(g, &sc.att, &cw.wo, &mut sc.h, t, hd, qd, true)?;
-        c.mark(Phase::Elementwise)?;
+        cross_attention(c, cw, &cr.rows, pool, t, scale, sc)?;
     }
     k.norm
         .run(g, &sc.h, &lw.ffn_norm, t, hd, m.norm_eps, &mut sc.xn)?;
     moe(c, lw, t, sc)?;
     k.ops.add(g, &mut sc.h, &sc.moe_out, t * hd)?;
     Ok(())
+}
+
+/// The attention norm of `sc.h` into `sc.xn`, then the query and key projections with RoPE
+/// into `sc.q` and `sc.k`.
+fn project_qk(
+    c: &Ctx<'_>,
+    lw: &LayerWeights,
+    t: usize,
+    pos: &CudaSlice<i32>,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k, m) = (c.gpu, c.k, c.m);
+    let (hd, qd, row) = (m.hidden, m.q_dim(), m.kv_row());
+    c.mark(Phase::Elementwise)?;
+    k.norm
+        .run(g, &sc.h, &lw.attn_norm, t, hd, m.norm_eps, &mut sc.xn)?;
+    c.mark(Phase::Gemm)?;
+    linear_bf16(g, &sc.xn, &lw.wq, &mut sc.q, t, qd, hd)?;
+    linear_bf16(g, &sc.xn, &lw.wk, &mut sc.k, t, row, hd)?;
+    c.mark(Phase::Elementwise)?;
+    k.rope_q.run(g, &mut sc.q, pos)?;
+    k.rope_k.run(g, &mut sc.k, pos)?;
+    Ok(())
+}
+
+/// Prefill SWA into `sc.att`: each chunk's window and new keys gathered into `kbuf`, the
+/// step's rows written to the rings, then the tensor-core prefill kernel over every chunk when
+/// it has tiles, else the SWA kernel chunk by chunk.
+#[allow(clippy::too_many_arguments)]
+fn swa_chunks(
+    c: &Ctx<'_>,
+    chunks: &[SwaChunk],
+    tiles: Option<&SwaTiles>,
+    rings: &mut CudaSlice<bf16>,
+    layer_off: usize,
+    t: usize,
+    ring_slots: &CudaSlice<i64>,
+    scale: f32,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k, m) = (c.gpu, c.k, c.m);
+    for ch in chunks.iter() {
+        gather_window(c, ch, rings, layer_off, sc)?;
+    }
+    let mut view = rings.slice_mut(layer_off..);
+    // SAFETY: every slot was built by `ring_slot` for a ring the tiers handed out.
+    unsafe {
+        k.att
+            .write_kv_unchecked(g, &sc.k, t, ring_slots, &mut view, &c.ring_layout)
+    }?;
+    if let (Some(st), Some(pk)) = (tiles, &k.prefill) {
+        pk.run_window(
+            g,
+            &sc.q,
+            &sc.kbuf.as_view(),
+            &st.layout,
+            &st.rows,
+            scale,
+            Some(m.window),
+            &mut sc.att,
+        )?;
+    }
+    for ch in chunks
+        .iter()
+        .filter(|c| c.n > 0 && (tiles.is_none() || k.prefill.is_none()))
+    {
+        swa_chunk(c, ch, scale, sc)?;
+    }
+    Ok(())
+}
+
+/// Copies a chunk's window before the chunk from the ring (in runs inside one ring block),
+/// then the chunk's own keys, into `kbuf` from row `kb0`.
+fn gather_window(
+    c: &Ctx<'_>,
+    ch: &SwaChunk,
+    rings: &CudaSlice<bf16>,
+    layer_off: usize,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (m, s) = (c.m, &c.gpu.stream);
+    let row = m.kv_row();
+    let mut p = ch.lo;
+    let mut dst = ch.kb0;
+    while p < ch.pos0 {
+        let run = (ch.pos0 - p).min(m.block_size - p % m.block_size);
+        let src = layer_off
+            + ring_slot(m, ch.ring, p) as usize / m.block_size * c.ring_layout.block_stride
+            + (p % m.block_size) * row;
+        s.memcpy_dtod(
+            &rings.slice(src..src + run * row),
+            &mut sc.kbuf.slice_mut(dst * row..(dst + run) * row),
+        )?;
+        p += run;
+        dst += run;
+    }
+    if ch.n > 0 {
+        s.memcpy_dtod(
+            &sc.k.slice(ch.tok0 * row..(ch.tok0 + ch.n) * row),
+            &mut sc.kbuf.slice_mut(dst * row..(dst + ch.n) * row),
+        )?;
+    }
+    Ok(())
+}
+
+/// The SWA kernel over one chunk's queries and its keys in `kbuf`.
+fn swa_chunk(c: &Ctx<'_>, ch: &SwaChunk, scale: f32, sc: &mut Scratch) -> Result<(), BackendError> {
+    let m = c.m;
+    let (qd, row) = (m.q_dim(), m.kv_row());
+    let num_k = ch.pos0 - ch.lo + ch.n;
+    let range = SwaRange {
+        num_q: ch.n,
+        num_k,
+        q_pos0: ch.pos0,
+        k_pos0: ch.lo,
+        window: m.window,
+        trunc_start: ch.trunc,
+    };
+    let kv = sc.kbuf.slice(ch.kb0 * row..(ch.kb0 + num_k) * row);
+    c.k.swa.run(
+        c.gpu,
+        &range,
+        &sc.q.slice(ch.tok0 * qd..(ch.tok0 + ch.n) * qd),
+        &kv,
+        &kv,
+        scale,
+        &mut sc.att.slice_mut(ch.tok0 * qd..(ch.tok0 + ch.n) * qd),
+    )?;
+    Ok(())
+}
+
+/// Decode SWA into `sc.att`: the step's rows written to the rings, then every token's window
+/// through the rings with the paged kernel.
+#[allow(clippy::too_many_arguments)]
+fn swa_ring(
+    c: &Ctx<'_>,
+    rows: &DeviceRows,
+    rings: &mut CudaSlice<bf16>,
+    layer_off: usize,
+    t: usize,
+    ring_slots: &CudaSlice<i64>,
+    scale: f32,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k) = (c.gpu, c.k);
+    let rl = &c.ring_layout;
+    {
+        let mut view = rings.slice_mut(layer_off..);
+        // SAFETY: every slot was built by `ring_slot` for a ring the tiers handed out.
+        unsafe {
+            k.att
+                .write_kv_unchecked(g, &sc.k, t, ring_slots, &mut view, rl)
+        }?;
+    }
+    let tps = k.att.default_tokens_per_split(rows);
+    k.att.ensure_workspace(g, rows, tps, &mut sc.att_ws)?;
+    let ws = sc.att_ws.as_mut().expect("ensured above");
+    let view = rings.slice(layer_off..);
+    k.att
+        .run(g, &sc.q, &view, rl, rows, tps, ws, scale, &mut sc.att)?;
+    Ok(())
+}
+
+/// An encoder layer's own global attention: the step's rows also go to global layer
+/// `gl_layer` of the pool, attended causally from position 0, and the output projection adds
+/// the result to `sc.h`.
+#[allow(clippy::too_many_arguments)]
+fn own_global_attention(
+    c: &Ctx<'_>,
+    lw: &LayerWeights,
+    pool: &mut CudaSlice<bf16>,
+    gl_layer: usize,
+    slots: &CudaSlice<i64>,
+    rows: &GlobalRows<'_>,
+    t: usize,
+    scale: f32,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k, m) = (c.gpu, c.k, c.m);
+    let (hd, qd) = (m.hidden, m.q_dim());
+    let off = gl_layer * m.block_size * m.kv_row();
+    {
+        let mut view = pool.slice_mut(off..);
+        // SAFETY: slots address blocks the tiers placed for the step's sequences.
+        unsafe {
+            k.att
+                .write_kv_unchecked(g, &sc.k, t, slots, &mut view, &c.global_layout)
+        }?;
+    }
+    c.global_attention(
+        rows,
+        &sc.q,
+        &pool.slice(off..),
+        scale,
+        &mut sc.att,
+        &mut sc.att_ws,
+    )?;
+    c.mark(Phase::Gemm)?;
+    linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
+    c.mark(Phase::Elementwise)
+}
+
+/// A decoder layer's cross-attention over the shared global KV layer, added to `sc.h`.
+fn cross_attention(
+    c: &Ctx<'_>,
+    cw: &CrossWeights,
+    rows: &GlobalRows<'_>,
+    pool: &CudaSlice<bf16>,
+    t: usize,
+    scale: f32,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k, m) = (c.gpu, c.k, c.m);
+    let (hd, qd) = (m.hidden, m.q_dim());
+    k.norm
+        .run(g, &sc.h, &cw.norm, t, hd, m.norm_eps, &mut sc.xn)?;
+    c.mark(Phase::Gemm)?;
+    linear_bf16(g, &sc.xn, &cw.wq, &mut sc.q, t, qd, hd)?;
+    let off = m.encoder_layers * m.block_size * m.kv_row();
+    c.global_attention(
+        rows,
+        &sc.q,
+        &pool.slice(off..),
+        scale,
+        &mut sc.att,
+        &mut sc.att_ws,
+    )?;
+    c.mark(Phase::Gemm)?;
+    linear_bf16_beta(g, &sc.att, &cw.wo, &mut sc.h, t, hd, qd, true)?;
+    c.mark(Phase::Elementwise)
 }
 
 /// Routed experts over `sc.xn` into `sc.moe_out`. The per-expert row counts come back to the
@@ -669,8 +777,17 @@ pub(crate) fn check_prefill_plan(p: &PrefillPlan) -> Result<(), BackendError> {
 }
 
 pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), BackendError> {
-    let m = b.cfg.model.clone();
-    let bs = m.block_size;
+    let blocks = place_prefill(b, p)?;
+    let s = b.gpu.stream.clone();
+    encode_prefill(b, p, &blocks)?;
+    s.join(&b.copy)?;
+    replay_decoder(b, p, &blocks)
+}
+
+/// Makes every chunk's sequence resident and issues the moves; returns the HBM blocks per
+/// chunk.
+fn place_prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<Vec<Vec<u32>>, BackendError> {
+    let bs = b.cfg.model.block_size;
     let mut moves = Moves::default();
     let mut seqs = Vec::new();
     check_prefill_plan(p)?;
@@ -698,14 +815,34 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
         }
     }
     b.issue_moves(&moves)?;
+    Ok(blocks)
+}
 
-    // ---- encoder over the new tokens
-    let mut tokens = Vec::new();
-    let mut positions = Vec::new();
-    let mut ring_slots = Vec::new();
-    let mut global_slots = Vec::new();
-    let mut chunks = Vec::new();
-    let mut kb = 0usize;
+/// Per token of a stack pass: its id, position and ring slot (-1 for rows that leave the
+/// window before the step ends, so the ring keeps the window the next step needs).
+#[derive(Default)]
+struct TokenRows {
+    tokens: Vec<i32>,
+    positions: Vec<i32>,
+    ring_slots: Vec<i64>,
+}
+
+/// The host side of a prefill's encoder pass over the chunks' new tokens.
+#[derive(Default)]
+struct EncoderInputs {
+    rows: TokenRows,
+    /// Pool slot of each token's row in every global layer.
+    global_slots: Vec<i64>,
+    chunks: Vec<SwaChunk>,
+    /// Rows of `kbuf` the chunks' windows take (see [`kbuf_row`]).
+    kbuf_rows: usize,
+}
+
+fn encoder_inputs(b: &CudaBackend, p: &PrefillPlan, blocks: &[Vec<u32>]) -> EncoderInputs {
+    let m = &b.cfg.model;
+    let bs = m.block_size;
+    let mut inp = EncoderInputs::default();
+    let r = &mut inp.rows;
     for (i, c) in p.chunks.iter().enumerate() {
         let (pp, n) = (c.prefix_tokens as usize, c.new_tokens as usize);
         let st = &b.tiers.seqs[&c.request.0];
@@ -719,247 +856,385 @@ pub(super) fn prefill(b: &mut CudaBackend, p: &PrefillPlan) -> Result<(), Backen
             pp
         };
         let lo = trunc.max((pp + 1).saturating_sub(m.window));
-        chunks.push(SwaChunk {
-            tok0: tokens.len(),
+        inp.chunks.push(SwaChunk {
+            tok0: r.tokens.len(),
             n,
             pos0: pp,
             lo,
             trunc,
             ring,
-            kb0: kbuf_row(&mut kb, lo, pp - lo + n, bs),
+            kb0: kbuf_row(&mut inp.kbuf_rows, lo, pp - lo + n, bs),
         });
         for j in 0..n {
             let pos = pp + j;
-            tokens.push(b.token_id(c.request.0, pos));
-            positions.push(pos as i32);
-            ring_slots.push(if pos + m.window >= pp + n {
-                ring_slot(&m, ring, pos)
+            r.tokens.push(b.token_id(c.request.0, pos));
+            r.positions.push(pos as i32);
+            r.ring_slots.push(if pos + m.window >= pp + n {
+                ring_slot(m, ring, pos)
             } else {
                 -1
             });
             let blk = blocks[i][pos / bs] as usize;
-            global_slots.push((blk * bs + pos % bs) as i64);
+            inp.global_slots.push((blk * bs + pos % bs) as i64);
         }
     }
-    let t = tokens.len();
-    let g = b.gpu.clone();
-    let s = g.stream.clone();
-    let mut sc = take_scratch(b, t, kb)?;
-    if t > 0 {
-        embed(b, &tokens, &mut sc)?;
-        let d_pos = s.clone_htod(&positions)?;
-        let d_ring = s.clone_htod(&ring_slots)?;
-        let d_global = s.clone_htod(&global_slots)?;
-        let mut enc_rows = QueryRows::default();
-        let mut enc_tables = Vec::new();
-        for (i, c) in p
-            .chunks
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.new_tokens > 0)
-        {
-            for j in 0..c.new_tokens as usize {
-                enc_rows.push(enc_tables.len(), 0, c.prefix_tokens as usize + j + 1);
-            }
-            enc_tables.push(blocks[i].iter().map(|&x| x as i32).collect::<Vec<_>>());
-        }
-        // the chunks' causal attention over prefix + chunk: the tensor-core prefill kernel
-        // whenever it takes the shape (always at the backend's head widths)
-        let enc_tables = tables(&enc_tables);
-        let gl = b.global_layout();
-        let (enc_split, enc_prefill) = match &b.k.prefill {
-            Some(pk) => (None, Some(pk.upload(&g, &gl, &enc_tables, &enc_rows)?)),
-            None => (Some(b.k.att.upload(&g, &gl, &enc_tables, &enc_rows)?), None),
-        };
-        let enc_rows = match (&enc_split, &enc_prefill) {
-            (_, Some(r)) => GlobalRows::Prefill(r),
-            (Some(r), None) => GlobalRows::Split(r),
-            (None, None) => unreachable!("one of the two was uploaded"),
-        };
-        let swa_enc = swa_tiles(b, &chunks, kb)?;
-        // the encoder's global attention reads the cached prefix (swapped-in blocks)
-        s.join(&b.copy)?;
-        let ctx = Ctx {
-            gpu: &g,
-            k: &b.k,
-            m: &m,
-            ring_layout: b.ring_layout(),
-            global_layout: gl,
-            phases: b.phases.as_ref(),
-        };
-        for (l, lw) in b.w.encoder.iter().enumerate() {
-            layer(
-                &ctx,
-                lw,
-                l,
-                &mut b.rings,
-                &mut b.pool,
-                t,
-                &d_pos,
-                &d_ring,
-                &Swa::Chunks(&chunks, swa_enc.as_ref()),
-                Some(&Cross {
-                    rows: enc_rows,
-                    own: Some((l, &d_global)),
-                }),
-                &mut sc,
-            )?;
-        }
-        // shared global KV of the new tokens (the decoder's)
-        if let Some(l) = &b.phases {
-            l.mark(Phase::Elementwise)?;
-        }
-        b.k.norm.run(
-            &g,
-            &sc.h,
-            &b.w.global_norm,
-            t,
-            m.hidden,
-            m.norm_eps,
-            &mut sc.xn,
-        )?;
-        if let Some(l) = &b.phases {
-            l.mark(Phase::Gemm)?;
-        }
-        linear_bf16(
-            &g,
-            &sc.xn,
-            &b.w.w_global_kv,
-            &mut sc.k,
-            t,
-            m.kv_row(),
-            m.hidden,
-        )?;
-        if let Some(l) = &b.phases {
-            l.mark(Phase::Elementwise)?;
-        }
-        let off = b.global_layer_offset(m.encoder_layers);
-        let mut view = b.pool.slice_mut(off..);
-        // SAFETY: slots address blocks the tiers placed for these sequences.
-        unsafe {
-            b.k.att
-                .write_kv_unchecked(&g, &sc.k, t, &d_global, &mut view, &gl)
-        }?;
-        for c in &p.chunks {
-            let st = b.tiers.seqs.get_mut(&c.request.0).expect("placed");
-            st.ring_valid_to = (c.prefix_tokens + c.new_tokens) as usize;
-        }
-    }
-    b.scratch = Some(sc);
-    s.join(&b.copy)?;
+    inp
+}
 
-    // ---- decoder replay over the last `decoder_tokens` positions
-    if let Some(l) = &b.phases {
-        l.mark(Phase::Setup)?;
+/// Global-KV query rows as uploaded for one of the two kernels (see [`GlobalRows`]).
+enum UploadedRows {
+    Split(DeviceRows),
+    Prefill(PrefillRows),
+}
+
+impl UploadedRows {
+    fn as_global(&self) -> GlobalRows<'_> {
+        match self {
+            UploadedRows::Split(r) => GlobalRows::Split(r),
+            UploadedRows::Prefill(r) => GlobalRows::Prefill(r),
+        }
     }
-    let mut dkb = 0usize;
-    let mut tokens = Vec::new();
-    let mut positions = Vec::new();
-    let mut ring_slots = Vec::new();
-    let mut dchunks = Vec::new();
-    let mut rows = QueryRows::default();
-    let mut per_seq = Vec::new();
-    let mut last_rows = Vec::new();
-    for (i, c) in p.chunks.iter().enumerate() {
-        let r = c.decoder_tokens as usize;
-        if r == 0 {
-            continue;
-        }
-        let l_tot = (c.prefix_tokens + c.new_tokens) as usize;
-        let start = l_tot - r;
-        let ring = b.tiers.seqs[&c.request.0].ring.expect("placed");
-        dchunks.push(SwaChunk {
-            tok0: tokens.len(),
-            n: r,
-            pos0: start,
-            lo: start,
-            trunc: start,
-            ring,
-            kb0: kbuf_row(&mut dkb, start, r, bs),
-        });
-        for j in 0..r {
-            let pos = start + j;
-            tokens.push(b.token_id(c.request.0, pos));
-            positions.push(pos as i32);
-            ring_slots.push(if pos + m.window >= l_tot {
-                ring_slot(&m, ring, pos)
-            } else {
-                -1
-            });
-            rows.push(per_seq.len(), 0, pos + 1);
-        }
-        last_rows.push(tokens.len() as i32 - 1);
-        per_seq.push(blocks[i].iter().map(|&x| x as i32).collect::<Vec<_>>());
-    }
-    let t = tokens.len();
-    if t > 0 {
-        let mut sc = take_scratch(b, t, dkb)?;
-        embed(b, &tokens, &mut sc)?;
-        let d_pos = s.clone_htod(&positions)?;
-        let d_ring = s.clone_htod(&ring_slots)?;
-        let gl = b.global_layout();
-        // cross-attention of the replayed tail over the whole global KV: the prefill kernel
-        // when the replay has enough query tiles to fill the device, else the split kernels
-        // (a short replay over a long prompt is decode-like)
-        let per_seq = tables(&per_seq);
-        let (dec_split, dec_prefill) = match &b.k.prefill {
-            Some(pk) if pk.fills_device(&rows) => {
-                (None, Some(pk.upload(&g, &gl, &per_seq, &rows)?))
-            }
-            _ => (Some(b.k.att.upload(&g, &gl, &per_seq, &rows)?), None),
-        };
-        let dec_rows = match (&dec_split, &dec_prefill) {
-            (_, Some(r)) => GlobalRows::Prefill(r),
-            (Some(r), None) => GlobalRows::Split(r),
-            (None, None) => unreachable!("one of the two was uploaded"),
-        };
-        let swa_dec = swa_tiles(b, &dchunks, dkb)?;
-        let ctx = Ctx {
-            gpu: &g,
-            k: &b.k,
-            m: &m,
-            ring_layout: b.ring_layout(),
-            global_layout: gl,
-            phases: b.phases.as_ref(),
-        };
-        for (l, lw) in b.w.decoder.iter().enumerate() {
-            layer(
-                &ctx,
-                lw,
-                m.encoder_layers + l,
-                &mut b.rings,
-                &mut b.pool,
-                t,
-                &d_pos,
-                &d_ring,
-                &Swa::Chunks(&dchunks, swa_dec.as_ref()),
-                Some(&Cross {
-                    rows: dec_rows,
-                    own: None,
-                }),
-                &mut sc,
-            )?;
-        }
-        logits(b, &mut sc, t, &last_rows)?;
-        b.scratch = Some(sc);
-        // SWA state stored at the end of prefill (SPEC §3 step 5)
-        let mut moves = Moves::default();
-        for c in p.chunks.iter().filter(|c| c.decoder_tokens > 0) {
-            b.tiers.store_ring(c.request.0, &mut moves);
-        }
-        b.issue_moves(&moves)?;
+}
+
+/// Which layers a stack pass runs: the encoder's, each also writing its own global KV layer
+/// at `global_slots`, or the decoder's, cross-attending to the shared one.
+enum Stack<'a> {
+    Encoder { global_slots: &'a CudaSlice<i64> },
+    Decoder,
+}
+
+/// The device inputs every layer of a stack pass reads.
+struct StackInputs<'a> {
+    t: usize,
+    pos: &'a CudaSlice<i32>,
+    ring_slots: &'a CudaSlice<i64>,
+    swa: Swa<'a>,
+    cross: GlobalRows<'a>,
+}
+
+/// Runs every layer of `stack` over `inp.t` tokens of `sc.h`, in place.
+fn run_stack(
+    b: &mut CudaBackend,
+    stack: &Stack<'_>,
+    inp: &StackInputs<'_>,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let ctx = Ctx {
+        gpu: &b.gpu,
+        k: &b.k,
+        m: &b.cfg.model,
+        ring_layout: b.ring_layout(),
+        global_layout: b.global_layout(),
+        phases: b.phases.as_ref(),
+    };
+    let (layers, first, own) = match stack {
+        Stack::Encoder { global_slots } => (&b.w.encoder, 0, Some(*global_slots)),
+        Stack::Decoder => (&b.w.decoder, b.cfg.model.encoder_layers, None),
+    };
+    for (l, lw) in layers.iter().enumerate() {
+        layer(
+            &ctx,
+            lw,
+            first + l,
+            &mut b.rings,
+            &mut b.pool,
+            inp.t,
+            inp.pos,
+            inp.ring_slots,
+            &inp.swa,
+            Some(&Cross {
+                rows: inp.cross,
+                own: own.map(|s| (l, s)),
+            }),
+            sc,
+        )?;
     }
     Ok(())
 }
 
-pub(super) fn decode(
+/// The shared global KV of the step's `t` tokens (global norm, then the KV projection),
+/// written to the pool at `slots`. Prefill steps mark its phases when `marked`; decode steps
+/// leave them to the last layer's mark.
+fn write_global_kv(
+    b: &mut CudaBackend,
+    sc: &mut Scratch,
+    t: usize,
+    slots: &CudaSlice<i64>,
+    marked: bool,
+) -> Result<(), BackendError> {
+    let g = b.gpu.clone();
+    let m = b.cfg.model.clone();
+    let gl = b.global_layout();
+    let phases = if marked { b.phases.as_ref() } else { None };
+    let mark = |p: Phase| phases.map_or(Ok(()), |l| l.mark(p));
+    mark(Phase::Elementwise)?;
+    b.k.norm.run(
+        &g,
+        &sc.h,
+        &b.w.global_norm,
+        t,
+        m.hidden,
+        m.norm_eps,
+        &mut sc.xn,
+    )?;
+    mark(Phase::Gemm)?;
+    linear_bf16(
+        &g,
+        &sc.xn,
+        &b.w.w_global_kv,
+        &mut sc.k,
+        t,
+        m.kv_row(),
+        m.hidden,
+    )?;
+    mark(Phase::Elementwise)?;
+    let off = b.global_layer_offset(m.encoder_layers);
+    let mut view = b.pool.slice_mut(off..);
+    // SAFETY: slots address blocks the tiers placed for these sequences.
+    unsafe {
+        b.k.att
+            .write_kv_unchecked(&g, &sc.k, t, slots, &mut view, &gl)
+    }?;
+    Ok(())
+}
+
+/// The encoder over the chunks' new tokens, then the shared global KV of those tokens; every
+/// chunk's ring is then valid up to the chunk's end.
+fn encode_prefill(
+    b: &mut CudaBackend,
+    p: &PrefillPlan,
+    blocks: &[Vec<u32>],
+) -> Result<(), BackendError> {
+    let inp = encoder_inputs(b, p, blocks);
+    let mut sc = take_scratch(b, inp.rows.tokens.len(), inp.kbuf_rows)?;
+    if !inp.rows.tokens.is_empty() {
+        run_encoder(b, p, blocks, &inp, &mut sc)?;
+    }
+    b.scratch = Some(sc);
+    Ok(())
+}
+
+/// The chunks' causal attention over prefix + chunk, uploaded for the tensor-core prefill
+/// kernel whenever it takes the shape (always at the backend's head widths).
+fn encoder_rows(
+    b: &CudaBackend,
+    p: &PrefillPlan,
+    blocks: &[Vec<u32>],
+) -> Result<UploadedRows, BackendError> {
+    let mut enc_rows = QueryRows::default();
+    let mut enc_tables = Vec::new();
+    for (i, c) in p
+        .chunks
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.new_tokens > 0)
+    {
+        for j in 0..c.new_tokens as usize {
+            enc_rows.push(enc_tables.len(), 0, c.prefix_tokens as usize + j + 1);
+        }
+        enc_tables.push(blocks[i].iter().map(|&x| x as i32).collect::<Vec<_>>());
+    }
+    let enc_tables = tables(&enc_tables);
+    let (g, gl) = (&*b.gpu, b.global_layout());
+    Ok(match &b.k.prefill {
+        Some(pk) => UploadedRows::Prefill(pk.upload(g, &gl, &enc_tables, &enc_rows)?),
+        None => UploadedRows::Split(b.k.att.upload(g, &gl, &enc_tables, &enc_rows)?),
+    })
+}
+
+fn run_encoder(
+    b: &mut CudaBackend,
+    p: &PrefillPlan,
+    blocks: &[Vec<u32>],
+    inp: &EncoderInputs,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let s = b.gpu.stream.clone();
+    embed(b, &inp.rows.tokens, sc)?;
+    let d_pos = s.clone_htod(&inp.rows.positions)?;
+    let d_ring = s.clone_htod(&inp.rows.ring_slots)?;
+    let d_global = s.clone_htod(&inp.global_slots)?;
+    let enc_rows = encoder_rows(b, p, blocks)?;
+    let swa_enc = swa_tiles(b, &inp.chunks, inp.kbuf_rows)?;
+    // the encoder's global attention reads the cached prefix (swapped-in blocks)
+    s.join(&b.copy)?;
+    let t = inp.rows.tokens.len();
+    let stack = StackInputs {
+        t,
+        pos: &d_pos,
+        ring_slots: &d_ring,
+        swa: Swa::Chunks(&inp.chunks, swa_enc.as_ref()),
+        cross: enc_rows.as_global(),
+    };
+    let encoder = Stack::Encoder {
+        global_slots: &d_global,
+    };
+    run_stack(b, &encoder, &stack, sc)?;
+    // shared global KV of the new tokens (the decoder's)
+    write_global_kv(b, sc, t, &d_global, true)?;
+    for c in &p.chunks {
+        let st = b.tiers.seqs.get_mut(&c.request.0).expect("placed");
+        st.ring_valid_to = (c.prefix_tokens + c.new_tokens) as usize;
+    }
+    Ok(())
+}
+
+/// The host side of a prefill's decoder replay over the last `decoder_tokens` positions of
+/// each chunk.
+#[derive(Default)]
+struct ReplayInputs {
+    rows: TokenRows,
+    chunks: Vec<SwaChunk>,
+    kbuf_rows: usize,
+    /// Cross-attention rows over each replaying sequence's whole global KV.
+    query: QueryRows,
+    tables: Vec<Vec<i32>>,
+    /// The batch row of each replaying sequence's last token (its logits are sampled).
+    last_rows: Vec<i32>,
+}
+
+fn replay_inputs(b: &CudaBackend, p: &PrefillPlan, blocks: &[Vec<u32>]) -> ReplayInputs {
+    let m = &b.cfg.model;
+    let mut inp = ReplayInputs::default();
+    let r = &mut inp.rows;
+    for (i, c) in p.chunks.iter().enumerate() {
+        let n = c.decoder_tokens as usize;
+        if n == 0 {
+            continue;
+        }
+        let l_tot = (c.prefix_tokens + c.new_tokens) as usize;
+        let start = l_tot - n;
+        let ring = b.tiers.seqs[&c.request.0].ring.expect("placed");
+        inp.chunks.push(SwaChunk {
+            tok0: r.tokens.len(),
+            n,
+            pos0: start,
+            lo: start,
+            trunc: start,
+            ring,
+            kb0: kbuf_row(&mut inp.kbuf_rows, start, n, m.block_size),
+        });
+        for j in 0..n {
+            let pos = start + j;
+            r.tokens.push(b.token_id(c.request.0, pos));
+            r.positions.push(pos as i32);
+            r.ring_slots.push(if pos + m.window >= l_tot {
+                ring_slot(m, ring, pos)
+            } else {
+                -1
+            });
+            inp.query.push(inp.tables.len(), 0, pos + 1);
+        }
+        inp.last_rows.push(r.tokens.len() as i32 - 1);
+        inp.tables
+            .push(blocks[i].iter().map(|&x| x as i32).collect::<Vec<_>>());
+    }
+    inp
+}
+
+/// The decoder replay of a prefill step, its greedy tokens, and the SWA state stored at the
+/// end of prefill (SPEC §3 step 5).
+fn replay_decoder(
+    b: &mut CudaBackend,
+    p: &PrefillPlan,
+    blocks: &[Vec<u32>],
+) -> Result<(), BackendError> {
+    if let Some(l) = &b.phases {
+        l.mark(Phase::Setup)?;
+    }
+    let inp = replay_inputs(b, p, blocks);
+    let t = inp.rows.tokens.len();
+    if t == 0 {
+        return Ok(());
+    }
+    let g = b.gpu.clone();
+    let s = g.stream.clone();
+    let mut sc = take_scratch(b, t, inp.kbuf_rows)?;
+    embed(b, &inp.rows.tokens, &mut sc)?;
+    let d_pos = s.clone_htod(&inp.rows.positions)?;
+    let d_ring = s.clone_htod(&inp.rows.ring_slots)?;
+    let gl = b.global_layout();
+    // cross-attention of the replayed tail over the whole global KV: the prefill kernel
+    // when the replay has enough query tiles to fill the device, else the split kernels
+    // (a short replay over a long prompt is decode-like)
+    let per_seq = tables(&inp.tables);
+    let dec_rows = match &b.k.prefill {
+        Some(pk) if pk.fills_device(&inp.query) => {
+            UploadedRows::Prefill(pk.upload(&g, &gl, &per_seq, &inp.query)?)
+        }
+        _ => UploadedRows::Split(b.k.att.upload(&g, &gl, &per_seq, &inp.query)?),
+    };
+    let swa_dec = swa_tiles(b, &inp.chunks, inp.kbuf_rows)?;
+    let stack = StackInputs {
+        t,
+        pos: &d_pos,
+        ring_slots: &d_ring,
+        swa: Swa::Chunks(&inp.chunks, swa_dec.as_ref()),
+        cross: dec_rows.as_global(),
+    };
+    run_stack(b, &Stack::Decoder, &stack, &mut sc)?;
+    logits(b, &mut sc, t, &inp.last_rows)?;
+    b.scratch = Some(sc);
+    let mut moves = Moves::default();
+    for c in p.chunks.iter().filter(|c| c.decoder_tokens > 0) {
+        b.tiers.store_ring(c.request.0, &mut moves);
+    }
+    b.issue_moves(&moves)?;
+    Ok(())
+}
+
+/// The host side of a decode step: every sequence's next token and its verified ones.
+#[derive(Default)]
+struct DecodeInputs {
+    rows: TokenRows,
+    global_slots: Vec<i64>,
+    /// SWA rows of every query token over its window in the sequence's ring.
+    ring_rows: QueryRows,
+    rings: Vec<u32>,
+    kv_lens: Vec<usize>,
+    q_lens: Vec<usize>,
+}
+
+fn decode_inputs(
+    b: &CudaBackend,
+    d: &DecodePlan,
+    verified: &[u32],
+    blocks: &[Vec<u32>],
+) -> DecodeInputs {
+    let m = &b.cfg.model;
+    let bs = m.block_size;
+    let mut inp = DecodeInputs::default();
+    let r = &mut inp.rows;
+    for (i, s) in d.seqs.iter().enumerate() {
+        let n = 1 + verified[i] as usize;
+        let k0 = s.kv_tokens as usize;
+        let ring = b.tiers.seqs[&s.request.0].ring.expect("placed");
+        inp.rings.push(ring);
+        for j in 0..n {
+            let pos = k0 + j;
+            r.tokens.push(b.token_id(s.request.0, pos));
+            r.positions.push(pos as i32);
+            r.ring_slots.push(ring_slot(m, ring, pos));
+            inp.global_slots
+                .push((blocks[i][pos / bs] as usize * bs + pos % bs) as i64);
+            inp.ring_rows
+                .push(i, (pos + 1).saturating_sub(m.window), pos + 1);
+        }
+        inp.kv_lens.push(k0 + n);
+        inp.q_lens.push(n);
+    }
+    inp
+}
+
+/// Makes every decoding sequence resident for its next token and its verified ones (after
+/// checking they fit the SWA ring) and issues the moves; returns the HBM blocks per sequence.
+fn place_decode(
     b: &mut CudaBackend,
     d: &DecodePlan,
     verified: &[u32],
-) -> Result<(), BackendError> {
-    let m = b.cfg.model.clone();
-    let bs = m.block_size;
-    if m.window + 1 + verified.iter().copied().max().unwrap_or(0) as usize > 2 * bs {
+) -> Result<Vec<Vec<u32>>, BackendError> {
+    let m = &b.cfg.model;
+    if m.window + 1 + verified.iter().copied().max().unwrap_or(0) as usize > 2 * m.block_size {
         return Err(BackendError::Plan(
             "window + query tokens exceed the two-block SWA ring".into(),
         ));
@@ -974,142 +1249,58 @@ pub(super) fn decode(
     let region = b.region_for(true, d.engine.0)?;
     let blocks = b.place(&seqs, region, &mut moves)?;
     b.issue_moves(&moves)?;
-    let mut tokens = Vec::new();
-    let mut positions = Vec::new();
-    let mut ring_slots = Vec::new();
-    let mut global_slots = Vec::new();
-    let mut ring_rows = QueryRows::default();
-    let mut rings = Vec::new();
-    let (mut kv_lens, mut q_lens) = (Vec::new(), Vec::new());
-    for (i, s) in d.seqs.iter().enumerate() {
-        let n = 1 + verified[i] as usize;
-        let k0 = s.kv_tokens as usize;
-        let ring = b.tiers.seqs[&s.request.0].ring.expect("placed");
-        rings.push(ring);
-        for j in 0..n {
-            let pos = k0 + j;
-            tokens.push(b.token_id(s.request.0, pos));
-            positions.push(pos as i32);
-            ring_slots.push(ring_slot(&m, ring, pos));
-            global_slots.push((blocks[i][pos / bs] as usize * bs + pos % bs) as i64);
-            ring_rows.push(i, (pos + 1).saturating_sub(m.window), pos + 1);
-        }
-        kv_lens.push(k0 + n);
-        q_lens.push(n);
-    }
-    let t = tokens.len();
+    Ok(blocks)
+}
+
+pub(super) fn decode(
+    b: &mut CudaBackend,
+    d: &DecodePlan,
+    verified: &[u32],
+) -> Result<(), BackendError> {
+    let blocks = place_decode(b, d, verified)?;
+    let inp = decode_inputs(b, d, verified, &blocks);
+    let t = inp.rows.tokens.len();
     if t == 0 {
         return Ok(());
     }
     let g = b.gpu.clone();
     let s = g.stream.clone();
-    let max_pos = kv_lens.iter().copied().max().unwrap_or(1);
-    let rl = b.ring_layout();
-    let gl = b.global_layout();
-    let d_ring_rows =
-        b.k.att
-            .upload(&g, &rl, &ring_tables(&m, &rings, max_pos), &ring_rows)?;
+    let m = b.cfg.model.clone();
+    let max_pos = inp.kv_lens.iter().copied().max().unwrap_or(1);
+    let (rl, gl) = (b.ring_layout(), b.global_layout());
+    let ring_tables = ring_tables(&m, &inp.rings, max_pos);
+    let d_ring_rows = b.k.att.upload(&g, &rl, &ring_tables, &inp.ring_rows)?;
     let per_seq: Vec<Vec<i32>> = blocks
         .iter()
         .map(|v| v.iter().map(|&x| x as i32).collect())
         .collect();
-    let d_cross = b.k.att.upload(
-        &g,
-        &gl,
-        &tables(&per_seq),
-        &QueryRows::decode_verify(&kv_lens, &q_lens),
-    )?;
-    let d_pos = s.clone_htod(&positions)?;
-    let d_ring = s.clone_htod(&ring_slots)?;
-    let d_global = s.clone_htod(&global_slots)?;
+    let cross_rows = QueryRows::decode_verify(&inp.kv_lens, &inp.q_lens);
+    let d_cross = b.k.att.upload(&g, &gl, &tables(&per_seq), &cross_rows)?;
+    let d_pos = s.clone_htod(&inp.rows.positions)?;
+    let d_ring = s.clone_htod(&inp.rows.ring_slots)?;
+    let d_global = s.clone_htod(&inp.global_slots)?;
     let mut sc = take_scratch(b, t, 0)?;
-    embed(b, &tokens, &mut sc)?;
+    embed(b, &inp.rows.tokens, &mut sc)?;
     s.join(&b.copy)?;
-    let ctx = Ctx {
-        gpu: &g,
-        k: &b.k,
-        m: &m,
-        ring_layout: rl,
-        global_layout: gl,
-        phases: b.phases.as_ref(),
+    let stack = StackInputs {
+        t,
+        pos: &d_pos,
+        ring_slots: &d_ring,
+        swa: Swa::Ring(&d_ring_rows),
+        cross: GlobalRows::Split(&d_cross),
     };
-    for (l, lw) in b.w.encoder.iter().enumerate() {
-        layer(
-            &ctx,
-            lw,
-            l,
-            &mut b.rings,
-            &mut b.pool,
-            t,
-            &d_pos,
-            &d_ring,
-            &Swa::Ring(&d_ring_rows),
-            Some(&Cross {
-                rows: GlobalRows::Split(&d_cross),
-                own: Some((l, &d_global)),
-            }),
-            &mut sc,
-        )?;
-    }
-    b.k.norm.run(
-        &g,
-        &sc.h,
-        &b.w.global_norm,
-        t,
-        m.hidden,
-        m.norm_eps,
-        &mut sc.xn,
-    )?;
-    linear_bf16(
-        &g,
-        &sc.xn,
-        &b.w.w_global_kv,
-        &mut sc.k,
-        t,
-        m.kv_row(),
-        m.hidden,
-    )?;
-    {
-        let off = b.global_layer_offset(m.encoder_layers);
-        let mut view = b.pool.slice_mut(off..);
-        // SAFETY: slots address blocks the tiers placed for these sequences.
-        unsafe {
-            b.k.att
-                .write_kv_unchecked(&g, &sc.k, t, &d_global, &mut view, &gl)
-        }?;
-    }
+    let encoder = Stack::Encoder {
+        global_slots: &d_global,
+    };
+    run_stack(b, &encoder, &stack, &mut sc)?;
+    write_global_kv(b, &mut sc, t, &d_global, false)?;
     // the decoder restarts from the embeddings (see the model docs)
-    embed(b, &tokens, &mut sc)?;
-    let ctx = Ctx {
-        gpu: &g,
-        k: &b.k,
-        m: &m,
-        ring_layout: rl,
-        global_layout: gl,
-        phases: b.phases.as_ref(),
-    };
-    for (l, lw) in b.w.decoder.iter().enumerate() {
-        layer(
-            &ctx,
-            lw,
-            m.encoder_layers + l,
-            &mut b.rings,
-            &mut b.pool,
-            t,
-            &d_pos,
-            &d_ring,
-            &Swa::Ring(&d_ring_rows),
-            Some(&Cross {
-                rows: GlobalRows::Split(&d_cross),
-                own: None,
-            }),
-            &mut sc,
-        )?;
-    }
+    embed(b, &inp.rows.tokens, &mut sc)?;
+    run_stack(b, &Stack::Decoder, &stack, &mut sc)?;
     let all: Vec<i32> = (0..t as i32).collect();
     logits(b, &mut sc, t, &all)?;
     b.scratch = Some(sc);
-    for (s, &kv) in d.seqs.iter().zip(&kv_lens) {
+    for (s, &kv) in d.seqs.iter().zip(&inp.kv_lens) {
         if let Some(st) = b.tiers.seqs.get_mut(&s.request.0) {
             st.ring_valid_to = kv;
         }

@@ -203,81 +203,103 @@ pub struct ModelWeights {
     pub lm_head: CudaSlice<bf16>,
 }
 
-impl ModelWeights {
-    /// Uniform random weights in ±1/√fan_in (norm gains 1), drawn on the device from
-    /// `shape.seed`: each matrix has its own sub-seed, so a shape change elsewhere never
-    /// changes a matrix's values.
-    pub fn random(gpu: &GpuContext, shape: &ModelShape) -> Result<Self, KernelError> {
-        let base = sub_seed(shape.seed, "hw.weights");
-        let mut counter = 0u64;
-        let mut mat = |rows: usize, cols: usize| -> Result<CudaSlice<bf16>, KernelError> {
-            let mut w = gpu.stream.alloc_zeros::<bf16>(rows * cols)?;
-            counter += 1;
-            fill_uniform_bf16(
-                gpu,
-                &mut w,
-                base ^ counter.wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                1.0 / (cols as f32).sqrt(),
-            )?;
-            Ok(w)
-        };
-        let ones = |n: usize| gpu.stream.clone_htod(&vec![bf16::ONE; n]);
+/// Draws a model's random weights on the device in a fixed order: every matrix takes the next
+/// sub-seed of `base`.
+struct WeightDraws<'a> {
+    gpu: &'a GpuContext,
+    base: u64,
+    counter: u64,
+}
+
+impl WeightDraws<'_> {
+    /// A `[rows, cols]` matrix, uniform in ±1/√cols.
+    fn mat(&mut self, rows: usize, cols: usize) -> Result<CudaSlice<bf16>, KernelError> {
+        let mut w = self.gpu.stream.alloc_zeros::<bf16>(rows * cols)?;
+        self.counter += 1;
+        fill_uniform_bf16(
+            self.gpu,
+            &mut w,
+            self.base ^ self.counter.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            1.0 / (cols as f32).sqrt(),
+        )?;
+        Ok(w)
+    }
+
+    /// Norm gains of 1 (no draw).
+    fn ones(&self, n: usize) -> Result<CudaSlice<bf16>, KernelError> {
+        Ok(self.gpu.stream.clone_htod(&vec![bf16::ONE; n])?)
+    }
+
+    /// One expert's gate|up and down projections for an FFN width `f`.
+    fn expert(&mut self, h: usize, f: usize) -> Result<ExpertWeights, KernelError> {
+        Ok(ExpertWeights {
+            w_gate_up: self.mat(2 * f, h)?,
+            w_down: self.mat(h, f)?,
+        })
+    }
+
+    /// One layer (with cross-attention for a decoder layer).
+    fn layer(&mut self, shape: &ModelShape, cross: bool) -> Result<LayerWeights, KernelError> {
         let (h, q, r, f) = (
             shape.hidden,
             shape.q_dim(),
             shape.kv_row(),
             shape.expert_ffn,
         );
-        let mut layer = |cross: bool| -> Result<LayerWeights, KernelError> {
-            let wq = mat(q, h)?;
-            let wk = mat(r, h)?;
-            let wo = mat(h, q)?;
-            let cross = if cross {
-                Some(CrossWeights {
-                    norm: ones(h)?,
-                    wq: mat(q, h)?,
-                    wo: mat(h, q)?,
-                })
-            } else {
-                None
-            };
-            let router = mat(shape.experts, h)?;
-            let experts = (0..shape.experts)
-                .map(|_| {
-                    Ok(ExpertWeights {
-                        w_gate_up: mat(2 * f, h)?,
-                        w_down: mat(h, f)?,
-                    })
-                })
-                .collect::<Result<Vec<_>, KernelError>>()?;
-            // drawn after the routed experts, so a model without one keeps its other weights
-            let shared = if shape.shared_ffn > 0 {
-                let sf = shape.shared_ffn;
-                Some(ExpertWeights {
-                    w_gate_up: mat(2 * sf, h)?,
-                    w_down: mat(h, sf)?,
-                })
-            } else {
-                None
-            };
-            Ok(LayerWeights {
-                attn_norm: ones(h)?,
-                wq,
-                wk,
-                wo,
-                cross,
-                ffn_norm: ones(h)?,
-                router,
-                experts,
-                shared,
+        let wq = self.mat(q, h)?;
+        let wk = self.mat(r, h)?;
+        let wo = self.mat(h, q)?;
+        let cross = if cross {
+            Some(CrossWeights {
+                norm: self.ones(h)?,
+                wq: self.mat(q, h)?,
+                wo: self.mat(h, q)?,
             })
+        } else {
+            None
+        };
+        let router = self.mat(shape.experts, h)?;
+        let experts = (0..shape.experts)
+            .map(|_| self.expert(h, f))
+            .collect::<Result<Vec<_>, KernelError>>()?;
+        // drawn after the routed experts, so a model without one keeps its other weights
+        let shared = if shape.shared_ffn > 0 {
+            Some(self.expert(h, shape.shared_ffn)?)
+        } else {
+            None
+        };
+        Ok(LayerWeights {
+            attn_norm: self.ones(h)?,
+            wq,
+            wk,
+            wo,
+            cross,
+            ffn_norm: self.ones(h)?,
+            router,
+            experts,
+            shared,
+        })
+    }
+}
+
+impl ModelWeights {
+    /// Uniform random weights in ±1/√fan_in (norm gains 1), drawn on the device from
+    /// `shape.seed`: each matrix has its own sub-seed, so a shape change elsewhere never
+    /// changes a matrix's values.
+    pub fn random(gpu: &GpuContext, shape: &ModelShape) -> Result<Self, KernelError> {
+        let base = sub_seed(shape.seed, "hw.weights");
+        let mut w = WeightDraws {
+            gpu,
+            base,
+            counter: 0,
         };
         let encoder = (0..shape.encoder_layers)
-            .map(|_| layer(false))
+            .map(|_| w.layer(shape, false))
             .collect::<Result<Vec<_>, _>>()?;
         let decoder = (0..shape.decoder_layers)
-            .map(|_| layer(true))
+            .map(|_| w.layer(shape, true))
             .collect::<Result<Vec<_>, _>>()?;
+        let (h, r) = (shape.hidden, shape.kv_row());
         // Embeddings of unit scale so the first norm sees O(1) values.
         let mut embed = gpu.stream.alloc_zeros::<bf16>(shape.vocab * h)?;
         fill_uniform_bf16(gpu, &mut embed, base ^ 0xe5b, 1.0)?;
@@ -285,10 +307,10 @@ impl ModelWeights {
             embed,
             encoder,
             decoder,
-            global_norm: ones(h)?,
-            w_global_kv: mat(r, h)?,
-            final_norm: ones(h)?,
-            lm_head: mat(shape.vocab, h)?,
+            global_norm: w.ones(h)?,
+            w_global_kv: w.mat(r, h)?,
+            final_norm: w.ones(h)?,
+            lm_head: w.mat(shape.vocab, h)?,
         })
     }
 }

@@ -243,12 +243,47 @@ impl Tiers {
             ..SeqPlacement::default()
         });
         st.last_used = clock;
-        if st.region != region
-            && let Err(e) = self.relocate(&mut st, region, protected, moves)
-        {
-            self.seqs.insert(seq, st);
-            return Err(e);
+        // The sequence stays out of `seqs` while it is placed, so evictions never pick it; it
+        // goes back whatever the outcome.
+        let placed = self.place(seq, &mut st, blocks, region, protected, moves);
+        self.seqs.insert(seq, st);
+        placed
+    }
+
+    /// [`Self::make_resident`] on `st`, taken out of `seqs`.
+    fn place(
+        &mut self,
+        seq: u64,
+        st: &mut SeqPlacement,
+        blocks: usize,
+        region: u32,
+        protected: &BTreeSet<u64>,
+        moves: &mut Moves,
+    ) -> Result<Vec<u32>, TierError> {
+        if st.region != region {
+            self.relocate(st, region, protected, moves)?;
         }
+        self.reserve_hbm(st, blocks, region, protected, moves)?;
+        self.reserve_staging(seq, st, blocks, protected, moves)?;
+        let ids = (0..blocks)
+            .map(|i| self.bring_in(st, i, region as usize, moves))
+            .collect();
+        if st.ring.is_none() {
+            self.give_ring(st, region, protected, moves)?;
+        }
+        Ok(ids)
+    }
+
+    /// Frees enough HBM blocks in `region` for the blocks of `[0, blocks)` that `st` does not
+    /// hold there yet, evicting unprotected sequences.
+    fn reserve_hbm(
+        &mut self,
+        st: &SeqPlacement,
+        blocks: usize,
+        region: u32,
+        protected: &BTreeSet<u64>,
+        moves: &mut Moves,
+    ) -> Result<(), TierError> {
         let r = region as usize;
         let need_hbm = blocks.saturating_sub(
             st.blocks
@@ -259,7 +294,6 @@ impl Tiers {
         );
         let capacity = self.hbm_blocks[r];
         if need_hbm > capacity {
-            self.seqs.insert(seq, st);
             return Err(TierError::HbmFull {
                 needed: need_hbm,
                 capacity,
@@ -267,13 +301,25 @@ impl Tiers {
         }
         while self.hbm_free[r].len() < need_hbm {
             if !self.evict_blocks(region, protected, moves) {
-                self.seqs.insert(seq, st);
                 return Err(TierError::HbmFull {
                     needed: need_hbm,
                     capacity,
                 });
             }
         }
+        Ok(())
+    }
+
+    /// Frees a host block for each of `st`'s blocks on disk in `[0, blocks)`: they are staged
+    /// through host memory on their way to HBM.
+    fn reserve_staging(
+        &mut self,
+        seq: u64,
+        st: &SeqPlacement,
+        blocks: usize,
+        protected: &BTreeSet<u64>,
+        moves: &mut Moves,
+    ) -> Result<(), TierError> {
         let need_stage = st
             .blocks
             .iter()
@@ -284,59 +330,67 @@ impl Tiers {
             let mut keep = protected.clone();
             keep.insert(seq);
             if !self.make_host_room(need_stage, &keep, moves) {
-                let free = self.host_free.len();
-                self.seqs.insert(seq, st);
                 return Err(TierError::HostFull {
                     needed: need_stage,
-                    free,
+                    free: self.host_free.len(),
                 });
             }
         }
-        let mut ids = Vec::with_capacity(blocks);
-        for i in 0..blocks {
-            let id = match st.blocks.get(i).copied() {
-                Some(BlockLoc::Hbm(id)) => id,
-                Some(BlockLoc::Disk(d)) => {
-                    let id = self.hbm_free[r].pop_first().expect("reserved above");
-                    let h = self.host_free.pop_first().expect("made room above");
-                    moves.disk_to_host.push((d, h));
-                    moves.swap_in.push((h, id));
-                    self.host_pending.push(h);
-                    self.disk_pending.push(d);
-                    st.blocks[i] = BlockLoc::Hbm(id);
-                    id
-                }
-                Some(BlockLoc::Host(h)) => {
-                    let id = self.hbm_free[r].pop_first().expect("reserved above");
-                    moves.swap_in.push((h, id));
-                    // Freed at the next step: this step's swap-outs must not overwrite it.
-                    self.host_pending.push(h);
-                    st.blocks[i] = BlockLoc::Hbm(id);
-                    id
-                }
-                None => {
-                    let id = self.hbm_free[r].pop_first().expect("reserved above");
-                    st.blocks.push(BlockLoc::Hbm(id));
-                    id
-                }
-            };
-            ids.push(id);
-        }
-        if st.ring.is_none() {
-            if self.ring_free[r].is_empty() && !self.evict_ring(region, protected, moves) {
-                self.seqs.insert(seq, st);
-                return Err(TierError::RingsFull(self.ring_slots[r]));
+        Ok(())
+    }
+
+    /// The HBM id of `st`'s block `i` in region `r`: kept when it is there, else taken from
+    /// the blocks reserved above (swapped in from host, staged from disk, or new).
+    fn bring_in(&mut self, st: &mut SeqPlacement, i: usize, r: usize, moves: &mut Moves) -> u32 {
+        match st.blocks.get(i).copied() {
+            Some(BlockLoc::Hbm(id)) => id,
+            Some(BlockLoc::Disk(d)) => {
+                let id = self.hbm_free[r].pop_first().expect("reserved above");
+                let h = self.host_free.pop_first().expect("made room above");
+                moves.disk_to_host.push((d, h));
+                moves.swap_in.push((h, id));
+                self.host_pending.push(h);
+                self.disk_pending.push(d);
+                st.blocks[i] = BlockLoc::Hbm(id);
+                id
             }
-            let slot = self.ring_free[r].pop_first().expect("freed above");
-            if let Some(h) = st.swa_host {
-                moves.ring_in.push((h, slot));
-            } else {
-                st.ring_valid_to = 0;
+            Some(BlockLoc::Host(h)) => {
+                let id = self.hbm_free[r].pop_first().expect("reserved above");
+                moves.swap_in.push((h, id));
+                // Freed at the next step: this step's swap-outs must not overwrite it.
+                self.host_pending.push(h);
+                st.blocks[i] = BlockLoc::Hbm(id);
+                id
             }
-            st.ring = Some(slot);
+            None => {
+                let id = self.hbm_free[r].pop_first().expect("reserved above");
+                st.blocks.push(BlockLoc::Hbm(id));
+                id
+            }
         }
-        self.seqs.insert(seq, st);
-        Ok(ids)
+    }
+
+    /// Gives `st` a ring in `region` (evicting an unprotected sequence's ring if none is
+    /// free), restored from its saved SWA state when it has one.
+    fn give_ring(
+        &mut self,
+        st: &mut SeqPlacement,
+        region: u32,
+        protected: &BTreeSet<u64>,
+        moves: &mut Moves,
+    ) -> Result<(), TierError> {
+        let r = region as usize;
+        if self.ring_free[r].is_empty() && !self.evict_ring(region, protected, moves) {
+            return Err(TierError::RingsFull(self.ring_slots[r]));
+        }
+        let slot = self.ring_free[r].pop_first().expect("freed above");
+        if let Some(h) = st.swa_host {
+            moves.ring_in.push((h, slot));
+        } else {
+            st.ring_valid_to = 0;
+        }
+        st.ring = Some(slot);
+        Ok(())
     }
 
     /// Moves `st`'s HBM blocks and ring into region `to` (device-to-device copies, after
