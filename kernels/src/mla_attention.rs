@@ -317,9 +317,12 @@ pub fn row_chunks(max_rows: usize, max_m_tiles: usize) -> (usize, usize) {
 /// latency per tile (three barriers, the max exchange and P's round trip through shared
 /// memory).
 ///
-/// More rows (verification): 64-key tiles shared by 8 warps and the fewest CTAs per split whose
+/// More rows (DSpark verification, 2–6 tokens of 16 heads): the swapped kernel with 32-key
+/// tiles and CTAs of at most 4 warps (32 rows each), two CTAs per SM, the fastest tiles of the
+/// H200 sweep at 2, 4 and 6 tokens (see `hw/measurements/2026-12-02-nvidia-h200-mla-swapped.md`).
+/// Where those do not fit: 64-key tiles shared by 8 warps and the fewest CTAs per split whose
 /// m-tiles fit (three m-tiles of 16 rows is the most whose Q rows, key ring and accumulators
-/// fit one SM), so 6 verification tokens of 16 heads are two CTAs of three m-tiles.
+/// fit one SM).
 pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<MlaConfig> {
     let base = MlaConfig {
         keys_per_tile: 64,
@@ -345,9 +348,12 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
     // A single-token decode of up to 16 heads keeps the shared-tile kernel's measured best
     // (16-key tiles of 2 warps, four CTAs per SM); the swapped kernel is an option until a
     // GPU run has timed it (`attention_bench` sweeps both).
-    let first = (max_rows <= 16).then_some(single);
-    first
-        .into_iter()
+    let first = if max_rows <= 16 {
+        single
+    } else {
+        MlaConfig::swapped_for(max_rows, 4, 32, 2, 2, false)
+    };
+    std::iter::once(first)
         .chain([3, 2, 1].into_iter().flat_map(|most| {
             let (m_tiles, _) = row_chunks(max_rows, most);
             [
@@ -1040,8 +1046,16 @@ mod tests {
             (16 + 32) * 584 * 2 + 16 * 24 * 2 + 2 * 16 * 4
         );
         shared.validate_for(&s).unwrap();
+        // Verification: 6 tokens x 16 heads = 12 n-tiles of 8 rows, 3 swapped CTAs of 4 warps
+        // over 32-key tiles, two per SM.
         let six = default_config(&s, 96).unwrap();
-        assert_eq!((six.keys_per_tile, six.warps, six.m_tiles), (64, 8, 3));
+        assert!(six.swapped);
+        assert_eq!(
+            (six.keys_per_tile, six.warps, six.chunks(96), six.min_blocks),
+            (32, 4, 3, 2)
+        );
+        let two = default_config(&s, 32).unwrap();
+        assert_eq!((two.swapped, two.warps, two.chunks(32)), (true, 4, 1));
     }
 
     #[test]
@@ -1104,8 +1118,18 @@ mod tests {
     #[test]
     fn invalid_tiles_are_errors() {
         let s = spec_shape(16);
-        let ok = default_config(&s, 32).unwrap();
-        assert_eq!((ok.keys_per_tile, ok.m_tiles), (64, 2));
+        // The shared-tile kernel's tiles for 2 tokens of 16 heads (32 rows, two m-tiles).
+        let ok = MlaConfig {
+            keys_per_tile: 64,
+            warps: 8,
+            stages: 2,
+            m_tiles: 2,
+            min_blocks: 1,
+            q_in_registers: false,
+            l2_prefetch: false,
+            swapped: false,
+        };
+        ok.validate_for(&s).unwrap();
         // 4 keys per warp
         assert!(
             MlaConfig {
