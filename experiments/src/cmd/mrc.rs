@@ -427,6 +427,7 @@ pub fn compute(a: &Args) -> Result<Outcome> {
 
     let mut out = RunOutput::create(&a.out)?;
     let (main_cap, main_ttl) = write_curve_tables(&mut out, passes.main(), &grids, block_bytes)?;
+    // Sampling error against the unsampled pass on the same grids.
     let mut error_summary: Vec<ErrorSummary> = Vec::new();
     let mut exact_rows: Option<(Vec<Row>, Vec<Row>)> = None;
     if let (Some((e, _)), Some(_)) = (&passes.exact, &passes.sampled) {
@@ -659,6 +660,7 @@ fn point_replays(
     Ok((checks, replay_times))
 }
 
+/// Writes the point replays, one row per replay and class.
 fn write_check_table(out: &mut RunOutput, checks: &[CheckRow]) -> Result<()> {
     let mut df = df!(
         "curve" => checks.iter().map(|r| r.curve).collect::<Vec<_>>(),
@@ -733,8 +735,8 @@ fn write_plots(
     )
 }
 
-/// The run's configuration; sampling is a hash of the block key: nothing random, so the seed
-/// is 0.
+/// Writes the manifest with the run's settings. Sampling is a hash of the block key: nothing
+/// random, so the seed is 0.
 fn write_manifest(out: &mut RunOutput, f: &Findings, class: TrafficClass) -> Result<()> {
     let a = f.a;
     let config = serde_json::json!({
