@@ -104,31 +104,11 @@ pub fn key_segments(key: &str) -> Result<Vec<Seg>> {
     let mut chars = key.chars().peekable();
     let mut cur = String::new();
     let mut quoted = false;
-    let push = |cur: &mut String, segs: &mut Vec<Seg>, was_quoted: bool| -> Result<()> {
-        if cur.is_empty() && !was_quoted {
-            bail!("key `{key}` has an empty component");
-        }
-        let s = std::mem::take(cur);
-        if !was_quoted && s.bytes().all(|b| b.is_ascii_digit()) {
-            segs.push(Seg::Index(
-                s.parse().map_err(|_| anyhow!("index {s} too large"))?,
-            ));
-        } else {
-            segs.push(Seg::Key(s));
-        }
-        Ok(())
-    };
     let mut after_index = false;
     while let Some(c) = chars.next() {
         match c {
             '"' if cur.is_empty() && !after_index => {
-                for c in chars.by_ref() {
-                    if c == '"' {
-                        quoted = true;
-                        break;
-                    }
-                    cur.push(c);
-                }
+                quoted = take_quoted(&mut chars, &mut cur);
                 if !quoted {
                     bail!("key `{key}` has an unterminated quote");
                 }
@@ -137,27 +117,16 @@ pub fn key_segments(key: &str) -> Result<Vec<Seg>> {
                 if after_index {
                     after_index = false;
                 } else {
-                    push(&mut cur, &mut segs, quoted)?;
+                    push_component(key, &mut cur, &mut segs, quoted)?;
                 }
                 quoted = false;
             }
             '[' => {
                 if !after_index {
-                    push(&mut cur, &mut segs, quoted)?;
+                    push_component(key, &mut cur, &mut segs, quoted)?;
                 }
                 quoted = false;
-                let mut n = String::new();
-                for c in chars.by_ref() {
-                    if c == ']' {
-                        break;
-                    }
-                    n.push(c);
-                }
-                let i: usize = n
-                    .trim()
-                    .parse()
-                    .map_err(|_| anyhow!("key `{key}`: `[{n}]` is not an index"))?;
-                segs.push(Seg::Index(i));
+                segs.push(Seg::Index(take_index(key, &mut chars)?));
                 after_index = true;
             }
             c if after_index => bail!("key `{key}`: expected `.` after `]`, found `{c}`"),
@@ -166,12 +135,59 @@ pub fn key_segments(key: &str) -> Result<Vec<Seg>> {
         }
     }
     if !after_index {
-        push(&mut cur, &mut segs, quoted)?;
+        push_component(key, &mut cur, &mut segs, quoted)?;
     }
     if matches!(segs.first(), Some(Seg::Index(_))) {
         bail!("key `{key}` starts with an index");
     }
     Ok(segs)
+}
+
+/// Ends the component `cur` of `key`: an index when it is all digits and was not quoted, else
+/// a key; only a quoted component may be empty.
+fn push_component(
+    key: &str,
+    cur: &mut String,
+    segs: &mut Vec<Seg>,
+    was_quoted: bool,
+) -> Result<()> {
+    if cur.is_empty() && !was_quoted {
+        bail!("key `{key}` has an empty component");
+    }
+    let s = std::mem::take(cur);
+    if !was_quoted && s.bytes().all(|b| b.is_ascii_digit()) {
+        segs.push(Seg::Index(
+            s.parse().map_err(|_| anyhow!("index {s} too large"))?,
+        ));
+    } else {
+        segs.push(Seg::Key(s));
+    }
+    Ok(())
+}
+
+/// Reads a quoted component after its opening quote into `cur`; whether the quote was closed.
+fn take_quoted(chars: &mut impl Iterator<Item = char>, cur: &mut String) -> bool {
+    for c in chars.by_ref() {
+        if c == '"' {
+            return true;
+        }
+        cur.push(c);
+    }
+    false
+}
+
+/// Reads `n]` after a `[` of `key`: the index.
+fn take_index(key: &str, chars: &mut impl Iterator<Item = char>) -> Result<usize> {
+    let mut n = String::new();
+    for c in chars.by_ref() {
+        if c == ']' {
+            break;
+        }
+        n.push(c);
+    }
+    n.trim()
+        .parse()
+        .map_err(|_| anyhow!("key `{key}`: `[{n}]` is not an index"))
 }
 
 fn seg_path(prefix: &str, seg: &Seg) -> String {

@@ -278,40 +278,7 @@ pub fn bands(
     numeric: bool,
     series: &[(String, Vec<BandPoint>)],
 ) -> Result<()> {
-    let xv: Vec<f64> = xs.iter().map(|x| x.0).collect();
-    let (xmin, xmax) = xv
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
-    let log_x = numeric && xmin > 0.0 && xmax / xmin >= 50.0;
-    let tx = |x: f64| if log_x { x.log10() } else { x };
-    let ys: Vec<f64> = series
-        .iter()
-        .flat_map(|(_, p)| p.iter().flat_map(|b| [Some(b.mean), b.low, b.high]))
-        .flatten()
-        .filter(|y| y.is_finite())
-        .collect();
-    let (ymin, ymax) = ys
-        .iter()
-        .fold((f64::MAX, f64::MIN), |(l, h), &y| (l.min(y), h.max(y)));
-    let (ymin, ymax) = if ys.is_empty() {
-        (0.0, 1.0)
-    } else {
-        (ymin, ymax)
-    };
-    let log_y = ymin > 0.0 && ymax / ymin >= 100.0;
-    let ty = |y: f64| if log_y { y.log10() } else { y };
-    let (x0, x1) = (tx(xmin), tx(xmax));
-    let xpad = if numeric && x1 > x0 {
-        (x1 - x0) * 0.06
-    } else {
-        0.5
-    };
-    let (y0, y1) = (ty(ymin), ty(ymax));
-    let ypad = if y1 > y0 {
-        (y1 - y0) * 0.08
-    } else {
-        y0.abs().max(1e-9) * 0.05
-    };
+    let ax = BandAxes::new(xs, numeric, series);
     let root = SVGBackend::new(path, (1000, 580)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let mut chart = ChartBuilder::on(&root)
@@ -319,14 +286,136 @@ pub fn bands(
         .margin(18)
         .x_label_area_size(56)
         .y_label_area_size(84)
-        .build_cartesian_2d((x0 - xpad)..(x1 + xpad), (y0 - ypad)..(y1 + ypad))
+        .build_cartesian_2d(
+            (ax.x0 - ax.xpad)..(ax.x1 + ax.xpad),
+            (ax.y0 - ax.ypad)..(ax.y1 + ax.ypad),
+        )
         .map_err(err)?;
-    let yspan = ymax - ymin;
+    draw_band_mesh(&mut chart, &ax, x_label, y_label)?;
+    draw_band_ticks(&root, &mut chart, &ax, xs)?;
+    let k = series.len().max(1) as f64;
+    for (si, (name, pts)) in series.iter().enumerate() {
+        // Categories: series side by side around each tick.
+        let off = if numeric {
+            0.0
+        } else {
+            (si as f64 - (k - 1.0) / 2.0) * (0.5 / k)
+        };
+        draw_band_series(&mut chart, &ax, color(si), off, name, pts)?;
+    }
+    // The legend goes to the right-hand corner the lines leave free.
+    let right: Vec<f64> = series
+        .iter()
+        .filter_map(|(_, p)| p.iter().max_by(|a, b| a.x.total_cmp(&b.x)))
+        .map(|b| ax.ty(b.high.unwrap_or(b.mean)))
+        .collect();
+    let high_right = right.iter().any(|&y| y > ax.y0 + (ax.y1 - ax.y0) * 0.5);
+    chart
+        .configure_series_labels()
+        .position(if high_right {
+            SeriesLabelPosition::LowerRight
+        } else {
+            SeriesLabelPosition::UpperRight
+        })
+        .label_font(("sans-serif", 14))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)?;
+    Ok(())
+}
+
+type BandChart<'a, 'b> =
+    ChartContext<'a, SVGBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// The axes of a band plot: which are logarithmic, the data range in plotted units, and the
+/// padding around it.
+struct BandAxes {
+    numeric: bool,
+    log_x: bool,
+    log_y: bool,
+    x0: f64,
+    x1: f64,
+    xpad: f64,
+    y0: f64,
+    y1: f64,
+    ypad: f64,
+    /// The span of the means and intervals in data units, for the tick text.
+    yspan: f64,
+}
+
+impl BandAxes {
+    fn new(xs: &[(f64, String)], numeric: bool, series: &[(String, Vec<BandPoint>)]) -> Self {
+        let xv: Vec<f64> = xs.iter().map(|x| x.0).collect();
+        let (xmin, xmax) = xv
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+        let log_x = numeric && xmin > 0.0 && xmax / xmin >= 50.0;
+        let ys: Vec<f64> = series
+            .iter()
+            .flat_map(|(_, p)| p.iter().flat_map(|b| [Some(b.mean), b.low, b.high]))
+            .flatten()
+            .filter(|y| y.is_finite())
+            .collect();
+        let (ymin, ymax) = ys
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), &y| (l.min(y), h.max(y)));
+        let (ymin, ymax) = if ys.is_empty() {
+            (0.0, 1.0)
+        } else {
+            (ymin, ymax)
+        };
+        let log_y = ymin > 0.0 && ymax / ymin >= 100.0;
+        let scale = |log: bool, v: f64| if log { v.log10() } else { v };
+        let (x0, x1) = (scale(log_x, xmin), scale(log_x, xmax));
+        let xpad = if numeric && x1 > x0 {
+            (x1 - x0) * 0.06
+        } else {
+            0.5
+        };
+        let (y0, y1) = (scale(log_y, ymin), scale(log_y, ymax));
+        let ypad = if y1 > y0 {
+            (y1 - y0) * 0.08
+        } else {
+            y0.abs().max(1e-9) * 0.05
+        };
+        Self {
+            numeric,
+            log_x,
+            log_y,
+            x0,
+            x1,
+            xpad,
+            y0,
+            y1,
+            ypad,
+            yspan: ymax - ymin,
+        }
+    }
+
+    fn tx(&self, x: f64) -> f64 {
+        if self.log_x { x.log10() } else { x }
+    }
+
+    fn ty(&self, y: f64) -> f64 {
+        if self.log_y { y.log10() } else { y }
+    }
+}
+
+/// The axis descriptions and the y labels; the x ticks are drawn by `draw_band_ticks`.
+fn draw_band_mesh(
+    chart: &mut BandChart<'_, '_>,
+    ax: &BandAxes,
+    x_label: &str,
+    y_label: &str,
+) -> Result<()> {
+    let (log_y, yspan) = (ax.log_y, ax.yspan);
     chart
         .configure_mesh()
         .disable_x_mesh()
         .x_labels(0)
-        .x_desc(if log_x {
+        .x_desc(if ax.log_x {
             format!("{x_label} (log scale)")
         } else {
             x_label.to_string()
@@ -346,21 +435,29 @@ pub fn bands(
         .label_style(("sans-serif", 15))
         .axis_desc_style(("sans-serif", 17))
         .draw()
-        .map_err(err)?;
-    // Ticks at the swept values, labelled as written; thinned when crowded.
+        .map_err(err)
+}
+
+/// Ticks at the swept values, labelled as written; thinned when crowded.
+fn draw_band_ticks(
+    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
+    chart: &mut BandChart<'_, '_>,
+    ax: &BandAxes,
+    xs: &[(f64, String)],
+) -> Result<()> {
     let step = xs.len().div_ceil(14).max(1);
-    let (ylo, yhi) = (y0 - ypad, y1 + ypad);
+    let (ylo, yhi) = (ax.y0 - ax.ypad, ax.y1 + ax.ypad);
     for (i, (x, label)) in xs.iter().enumerate() {
         chart
             .draw_series(std::iter::once(PathElement::new(
-                vec![(tx(*x), ylo), (tx(*x), yhi)],
+                vec![(ax.tx(*x), ylo), (ax.tx(*x), yhi)],
                 RGBColor(220, 220, 220).stroke_width(1),
             )))
             .map_err(err)?;
         if i % step != 0 {
             continue;
         }
-        let (px, py) = chart.backend_coord(&(tx(*x), ylo));
+        let (px, py) = chart.backend_coord(&(ax.tx(*x), ylo));
         root.draw(&Text::new(
             label.clone(),
             (px, py + 8),
@@ -373,87 +470,74 @@ pub fn bands(
         ))
         .map_err(err)?;
     }
-    let k = series.len().max(1) as f64;
-    for (si, (name, pts)) in series.iter().enumerate() {
-        let c = color(si);
-        // Categories: series side by side around each tick.
-        let off = if numeric {
-            0.0
-        } else {
-            (si as f64 - (k - 1.0) / 2.0) * (0.5 / k)
-        };
-        let px = |b: &BandPoint| tx(b.x) + off;
-        let with_ci: Vec<&BandPoint> = pts
+    Ok(())
+}
+
+/// One series: its intervals (a band on a numeric axis, else error bars), the line through
+/// its means on a numeric axis, and the means as dots carrying the legend entry. `off` shifts
+/// the series sideways from the ticks.
+fn draw_band_series(
+    chart: &mut BandChart<'_, '_>,
+    ax: &BandAxes,
+    c: RGBColor,
+    off: f64,
+    name: &str,
+    pts: &[BandPoint],
+) -> Result<()> {
+    let px = |b: &BandPoint| ax.tx(b.x) + off;
+    let with_ci: Vec<&BandPoint> = pts
+        .iter()
+        .filter(|b| b.low.is_some() && b.high.is_some())
+        .collect();
+    if ax.numeric && with_ci.len() >= 2 {
+        let mut poly: Vec<(f64, f64)> = with_ci
             .iter()
-            .filter(|b| b.low.is_some() && b.high.is_some())
+            .map(|b| (px(b), ax.ty(b.low.unwrap_or(b.mean))))
             .collect();
-        if numeric && with_ci.len() >= 2 {
-            let mut poly: Vec<(f64, f64)> = with_ci
+        poly.extend(
+            with_ci
                 .iter()
-                .map(|b| (px(b), ty(b.low.unwrap_or(b.mean))))
-                .collect();
-            poly.extend(
-                with_ci
-                    .iter()
-                    .rev()
-                    .map(|b| (px(b), ty(b.high.unwrap_or(b.mean)))),
+                .rev()
+                .map(|b| (px(b), ax.ty(b.high.unwrap_or(b.mean)))),
+        );
+        chart
+            .draw_series(std::iter::once(Polygon::new(poly, c.mix(0.18).filled())))
+            .map_err(err)?;
+    } else {
+        // Error bars with caps.
+        let cap = if ax.numeric { ax.xpad * 0.15 } else { 0.04 };
+        for b in &with_ci {
+            let (lo, hi) = (
+                ax.ty(b.low.unwrap_or(b.mean)),
+                ax.ty(b.high.unwrap_or(b.mean)),
             );
-            chart
-                .draw_series(std::iter::once(Polygon::new(poly, c.mix(0.18).filled())))
-                .map_err(err)?;
-        } else {
-            // Error bars with caps.
-            let cap = if numeric { xpad * 0.15 } else { 0.04 };
-            for b in &with_ci {
-                let (lo, hi) = (ty(b.low.unwrap_or(b.mean)), ty(b.high.unwrap_or(b.mean)));
-                let x = px(b);
-                for seg in [
-                    vec![(x, lo), (x, hi)],
-                    vec![(x - cap, lo), (x + cap, lo)],
-                    vec![(x - cap, hi), (x + cap, hi)],
-                ] {
-                    chart
-                        .draw_series(std::iter::once(PathElement::new(seg, c.stroke_width(2))))
-                        .map_err(err)?;
-                }
+            let x = px(b);
+            for seg in [
+                vec![(x, lo), (x, hi)],
+                vec![(x - cap, lo), (x + cap, lo)],
+                vec![(x - cap, hi), (x + cap, hi)],
+            ] {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(seg, c.stroke_width(2))))
+                    .map_err(err)?;
             }
         }
-        if numeric {
-            chart
-                .draw_series(LineSeries::new(
-                    pts.iter().map(|b| (px(b), ty(b.mean))),
-                    c.stroke_width(2),
-                ))
-                .map_err(err)?;
-        }
-        chart
-            .draw_series(
-                pts.iter()
-                    .map(|b| Circle::new((px(b), ty(b.mean)), 4, c.filled())),
-            )
-            .map_err(err)?
-            .label(name.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
     }
-    // The legend goes to the right-hand corner the lines leave free.
-    let right: Vec<f64> = series
-        .iter()
-        .filter_map(|(_, p)| p.iter().max_by(|a, b| a.x.total_cmp(&b.x)))
-        .map(|b| ty(b.high.unwrap_or(b.mean)))
-        .collect();
-    let high_right = right.iter().any(|&y| y > y0 + (y1 - y0) * 0.5);
+    if ax.numeric {
+        chart
+            .draw_series(LineSeries::new(
+                pts.iter().map(|b| (px(b), ax.ty(b.mean))),
+                c.stroke_width(2),
+            ))
+            .map_err(err)?;
+    }
     chart
-        .configure_series_labels()
-        .position(if high_right {
-            SeriesLabelPosition::LowerRight
-        } else {
-            SeriesLabelPosition::UpperRight
-        })
-        .label_font(("sans-serif", 14))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)?;
+        .draw_series(
+            pts.iter()
+                .map(|b| Circle::new((px(b), ax.ty(b.mean)), 4, c.filled())),
+        )
+        .map_err(err)?
+        .label(name)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(3)));
     Ok(())
 }

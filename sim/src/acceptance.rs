@@ -261,6 +261,146 @@ pub fn validate_drafts(drafts: u32, field: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// The `k` profiles of `d` drafts each, row-major: each draft's confidence, and the cumulative
+/// products of the confidences and of the true acceptance probabilities. The draws come from
+/// one generator seeded with `seed`, two per draft in row order.
+fn draw_profiles(
+    m: &AcceptanceModel,
+    k: usize,
+    d: usize,
+    seed: u64,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let std = Normal::new(0.0, 1.0).expect("unit normal");
+    let (mut conf, mut cum_conf, mut cum_true) =
+        (vec![0.0; k * d], vec![0.0; k * d], vec![0.0; k * d]);
+    for p in 0..k {
+        // Stratified over the sequence-level draw, so a small table keeps the mean.
+        let z = m.mean_logit + m.seq_sigma * inverse_normal_cdf((p as f64 + 0.5) / k as f64);
+        let (mut cq, mut cc) = (1.0, 1.0);
+        for i in 0..d {
+            let l = z + m.token_sigma * std.sample(&mut rng) - m.position_decay * i as f64;
+            let c = sigmoid(l + m.confidence_noise * std.sample(&mut rng));
+            cq *= sigmoid(l);
+            cc *= c;
+            conf[p * d + i] = c;
+            cum_true[p * d + i] = cq;
+            cum_conf[p * d + i] = cc;
+        }
+    }
+    (conf, cum_conf, cum_true)
+}
+
+/// The dense rank of each cumulative confidence (0 = highest, equal values share a rank), and
+/// its coarse bucket: the ranks shifted right until they fit in [`RANK_BUCKETS`].
+fn confidence_ranks(cum_conf: &[f64]) -> (Vec<u32>, Vec<u8>) {
+    let mut order: Vec<u32> = (0..cum_conf.len() as u32).collect();
+    order.sort_by(|&a, &b| cum_conf[b as usize].total_cmp(&cum_conf[a as usize]));
+    let mut rank = vec![0; cum_conf.len()];
+    let mut r = 0u32;
+    for (j, &x) in order.iter().enumerate() {
+        if j > 0 && cum_conf[x as usize] != cum_conf[order[j - 1] as usize] {
+            r += 1;
+        }
+        rank[x as usize] = r;
+    }
+    let mut rank_shift = 0;
+    while (r >> rank_shift) as usize >= RANK_BUCKETS {
+        rank_shift += 1;
+    }
+    let bucket: Vec<u8> = rank.iter().map(|&r| (r >> rank_shift) as u8).collect();
+    (rank, bucket)
+}
+
+/// One [`Record`] per profile, for rows of at most [`RECORD_DRAFTS`] drafts.
+fn profile_records(k: usize, d: usize, cum_conf: &[f64], cum_true: &[f64]) -> Vec<Record> {
+    (0..k)
+        .map(|p| {
+            let mut r = Record {
+                accept_cap: d as u8,
+                ..Record::default()
+            };
+            for i in (0..d).rev() {
+                r.cum_conf[i] = cum_conf[p * d + i];
+                let ceil = (cum_true[p * d + i] * 4_294_967_296.0).ceil() as u64;
+                match ceil.checked_sub(1) {
+                    Some(upto) => r.accept_upto[i] = upto as u32,
+                    None => r.accept_cap = i as u8,
+                }
+            }
+            r
+        })
+        .collect()
+}
+
+/// Each profile's histogram bins in one word, byte `i` for draft `i`.
+fn packed_bin_rows(k: usize, d: usize, bin: &[u8]) -> Vec<u64> {
+    (0..k)
+        .map(|p| {
+            let row = &bin[p * d..(p + 1) * d];
+            row.iter()
+                .enumerate()
+                .fold(0u64, |w, (i, &b)| w | u64::from(b) << (8 * i))
+        })
+        .collect()
+}
+
+/// A packed word's profile (see [`RankScratch`]'s `packed`).
+#[inline(always)]
+fn word_profile(w: u64) -> usize {
+    ((w >> 32) & 0xffff) as usize
+}
+
+/// Bins are below 64: masking an index with this is a no-op that spares bounds checks.
+const BIN_MASK: usize = CONFIDENCE_BINS - 1;
+
+/// Every sequence verifies all the drafts it is allowed; returns the drafts verified in all.
+#[inline(always)]
+fn verify_all(packed: &[u64], out: &mut [SeqOutcome]) -> u32 {
+    let mut verified = 0u32;
+    for (o, &w) in out.iter_mut().zip(packed.iter()) {
+        let (m, a) = ((w >> 48) as u8, (w >> 56) as u8);
+        verified += u32::from(m);
+        *o = SeqOutcome {
+            verified: m,
+            accepted: a.min(m),
+        };
+    }
+    verified
+}
+
+/// The cut's bin `cut`: fewer than `budget` drafts lie above it, at least that many in it and
+/// above (the budget is below the total, so the scan stops at a bin); with the drafts above.
+#[inline(always)]
+fn cut_bin(hist: &ConfidenceHistogram, budget: usize) -> (usize, usize) {
+    let (mut cut, mut above) = (CONFIDENCE_BINS - 1, 0usize);
+    while above + hist.count[cut] as usize <= budget {
+        above += hist.count[cut] as usize;
+        cut -= 1;
+    }
+    (cut, above)
+}
+
+/// Verifies the first `need` drafts of `keys` in (rank, sequence, position) order, one more
+/// on its sequence each; returns the drafts added.
+#[inline(always)]
+fn verify_best_at_cut(
+    keys: &mut [u64],
+    need: usize,
+    packed: &[u64],
+    out: &mut [SeqOutcome],
+) -> u32 {
+    keys.select_nth_unstable(need - 1);
+    for &k in &keys[..need] {
+        let s = ((k >> 8) & 0xff_ffff) as usize;
+        let a = (packed[s] >> 56) as u8;
+        let o = &mut out[s];
+        o.verified += 1;
+        o.accepted = a.min(o.verified);
+    }
+    need as u32
+}
+
 impl AcceptanceTable {
     /// [`Self::new`] for inputs that come from a config: the model and the draft count are
     /// validated first.
@@ -279,75 +419,19 @@ impl AcceptanceTable {
         }
         let d = drafts as usize;
         let k = m.profiles as usize;
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let std = Normal::new(0.0, 1.0).expect("unit normal");
-        let (mut conf, mut cum_conf, mut cum_true) =
-            (vec![0.0; k * d], vec![0.0; k * d], vec![0.0; k * d]);
-        for p in 0..k {
-            // Stratified over the sequence-level draw, so a small table keeps the mean.
-            let z = m.mean_logit + m.seq_sigma * inverse_normal_cdf((p as f64 + 0.5) / k as f64);
-            let (mut cq, mut cc) = (1.0, 1.0);
-            for i in 0..d {
-                let l = z + m.token_sigma * std.sample(&mut rng) - m.position_decay * i as f64;
-                let c = sigmoid(l + m.confidence_noise * std.sample(&mut rng));
-                cq *= sigmoid(l);
-                cc *= c;
-                conf[p * d + i] = c;
-                cum_true[p * d + i] = cq;
-                cum_conf[p * d + i] = cc;
-            }
-        }
-        let mut order: Vec<u32> = (0..(k * d) as u32).collect();
-        order.sort_by(|&a, &b| cum_conf[b as usize].total_cmp(&cum_conf[a as usize]));
-        let mut rank = vec![0; k * d];
-        let mut r = 0u32;
-        for (j, &x) in order.iter().enumerate() {
-            if j > 0 && cum_conf[x as usize] != cum_conf[order[j - 1] as usize] {
-                r += 1;
-            }
-            rank[x as usize] = r;
-        }
-        let mut rank_shift = 0;
-        while (r >> rank_shift) as usize >= RANK_BUCKETS {
-            rank_shift += 1;
-        }
-        let bucket: Vec<u8> = rank.iter().map(|&r| (r >> rank_shift) as u8).collect();
+        let (conf, cum_conf, cum_true) = draw_profiles(m, k, d, seed);
+        let (rank, bucket) = confidence_ranks(&cum_conf);
         let bin: Vec<u8> = cum_conf
             .iter()
             .map(|&c| ConfidenceHistogram::bin(c) as u8)
             .collect();
-        let records = if d <= RECORD_DRAFTS {
-            (0..k)
-                .map(|p| {
-                    let mut r = Record {
-                        accept_cap: d as u8,
-                        ..Record::default()
-                    };
-                    for i in (0..d).rev() {
-                        r.cum_conf[i] = cum_conf[p * d + i];
-                        let ceil = (cum_true[p * d + i] * 4_294_967_296.0).ceil() as u64;
-                        match ceil.checked_sub(1) {
-                            Some(upto) => r.accept_upto[i] = upto as u32,
-                            None => r.accept_cap = i as u8,
-                        }
-                    }
-                    r
-                })
-                .collect()
+        let (records, bin_rows) = if d <= RECORD_DRAFTS {
+            (
+                profile_records(k, d, &cum_conf, &cum_true),
+                packed_bin_rows(k, d, &bin),
+            )
         } else {
-            Vec::new()
-        };
-        let bin_rows = if d <= RECORD_DRAFTS {
-            (0..k)
-                .map(|p| {
-                    let row = &bin[p * d..(p + 1) * d];
-                    row.iter()
-                        .enumerate()
-                        .fold(0u64, |w, (i, &b)| w | u64::from(b) << (8 * i))
-                })
-                .collect()
-        } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         AcceptanceTable {
             drafts: d,
@@ -394,17 +478,18 @@ impl AcceptanceTable {
     }
 
     /// [`Self::step_rank`] for rows of `D` drafts read from `records` (`D` = [`RECORD_DRAFTS`]),
-    /// or (`D` = 0) of `self.drafts` drafts read from the per-quantity tables.
+    /// or (`D` = 0) of `self.drafts` drafts read from the per-quantity tables. Each phase is an
+    /// `#[inline(always)]` helper called once, so the phases compile into one loop nest as a
+    /// single function would.
     fn step_rank_d<const D: usize>(
         &self,
         seqs: &[DecodeSeq],
         budget: Option<u32>,
-        mut next_word: impl FnMut() -> u64,
+        next_word: impl FnMut() -> u64,
         scratch: &mut RankScratch,
         out: &mut [SeqOutcome],
         hist: &mut ConfidenceHistogram,
     ) -> RankStep {
-        let d = if D > 0 { D } else { self.drafts };
         let n = seqs.len();
         let out = &mut out[..n];
         let RankScratch {
@@ -415,36 +500,84 @@ impl AcceptanceTable {
             count,
             sum,
         } = scratch;
+        let (kv, max_kv, total) = self.count_drafts::<D>(seqs, next_word, packed, rows, count, sum);
+        self.merge_histogram::<D>(packed, count, sum, hist);
+        hist.seqs = n as u32;
+        let budget = match budget {
+            Some(b) if (b as usize) < total => b as usize,
+            // Everything allowed is verified.
+            _ => {
+                return RankStep {
+                    kv_tokens: kv,
+                    max_kv_tokens: u64::from(max_kv),
+                    verified: verify_all(packed, out),
+                };
+            }
+        };
+        let (cut, above) = cut_bin(hist, budget);
+        let (mut verified, n_cut) = self.verify_above_cut::<D>(packed, rows, cut, at_cut, out);
+        self.cut_keys::<D>(packed, &at_cut[..n_cut], cut, out, keys);
+        let need = budget - above;
+        if need > 0 {
+            verified += verify_best_at_cut(keys, need, packed, out);
+        }
+        RankStep {
+            kv_tokens: kv,
+            max_kv_tokens: u64::from(max_kv),
+            verified,
+        }
+    }
+
+    /// Drafts per row: `D`, or `self.drafts` when `D` is 0.
+    #[inline(always)]
+    fn row_len<const D: usize>(&self) -> usize {
+        if D > 0 { D } else { self.drafts }
+    }
+
+    /// Prefetches what the first pass reads of the packed word `w`'s profile.
+    #[inline(always)]
+    fn prefetch_row<const D: usize>(&self, w: u64) {
+        let p = word_profile(w);
+        if D == RECORD_DRAFTS {
+            prefetch((&raw const self.records[p]).cast());
+            prefetch((&raw const self.bin_rows[p]).cast());
+        } else {
+            prefetch((&raw const self.bin[p * self.row_len::<D>()]).cast());
+        }
+    }
+
+    /// The first pass: draws every sequence's word first (in sequence order, as the unfused
+    /// path, so the records can be prefetched ahead of use), then packs each with its drafts
+    /// allowed and accepted and counts its drafts into the lanes' bins. Returns the KV tokens,
+    /// the longest KV and the drafts allowed in all.
+    #[inline(always)]
+    fn count_drafts<const D: usize>(
+        &self,
+        seqs: &[DecodeSeq],
+        mut next_word: impl FnMut() -> u64,
+        packed: &mut Vec<u64>,
+        rows: &mut Vec<u64>,
+        count: &mut [u32; CONFIDENCE_BINS],
+        sum: &mut [[f64; CONFIDENCE_BINS]; RankScratch::LANES],
+    ) -> (u64, u32, usize) {
+        let d = self.row_len::<D>();
+        let n = seqs.len();
         packed.clear();
         if D == RECORD_DRAFTS {
             rows.resize(n, 0);
         }
-        // Draws first (in sequence order, as the unfused path), so the records can be
-        // prefetched ahead of use.
         packed.extend((0..n).map(|_| {
             let x = next_word();
             x & 0xffff_ffff | u64::from(self.draw_from_word(x).0) << 32
         }));
-        let profile = |w: u64| ((w >> 32) & 0xffff) as usize;
-        let fetch = |w: u64| {
-            let p = profile(w);
-            if D == RECORD_DRAFTS {
-                prefetch((&raw const self.records[p]).cast());
-                prefetch((&raw const self.bin_rows[p]).cast());
-            } else {
-                prefetch((&raw const self.bin[p * d]).cast());
-            }
-        };
         for &w in &packed[..n.min(PREFETCH_AHEAD)] {
-            fetch(w);
+            self.prefetch_row::<D>(w);
         }
         let (mut kv, mut total) = (0u64, 0usize);
         let mut max_kv = 0u32;
-        // Bins are below 64: masking an index with this is a no-op that spares bounds checks.
-        const BIN_MASK: usize = CONFIDENCE_BINS - 1;
         for s in 0..n {
             if let Some(&w) = packed.get(s + PREFETCH_AHEAD) {
-                fetch(w);
+                self.prefetch_row::<D>(w);
             }
             let q = &seqs[s];
             let w = packed[s];
@@ -452,26 +585,13 @@ impl AcceptanceTable {
             kv += u64::from(q.kv_tokens);
             max_kv = max_kv.max(q.kv_tokens);
             total += m;
-            let p = profile(w);
-            let lane = s % RankScratch::LANES;
-            // Entries above `u` are a prefix of the non-increasing row (see `accepted`).
-            let accepts = if D == RECORD_DRAFTS {
-                let r = &self.records[p];
-                let x = w as u32;
-                let n: u8 = r.accept_upto.iter().map(|&t| u8::from(x <= t)).sum();
-                n.min(r.accept_cap)
-            } else {
-                let u = (w & 0xffff_ffff) as f64 / 4_294_967_296.0;
-                self.cum_true[p * d..(p + 1) * d]
-                    .iter()
-                    .map(|&c| u8::from(c > u))
-                    .sum()
-            };
+            let p = word_profile(w);
+            let accepts = self.accepts::<D>(p, w);
             packed[s] = w | (m as u64) << 48 | u64::from(accepts) << 56;
+            let sum = &mut sum[s % RankScratch::LANES];
             if D == RECORD_DRAFTS {
                 let (r, row) = (&self.records[p], self.bin_rows[p]);
                 rows[s] = row & ((1u64 << (8 * m)) - 1);
-                let sum = &mut sum[lane];
                 for i in 0..D {
                     if i < m {
                         let b = (row >> (8 * i)) as usize & BIN_MASK;
@@ -481,7 +601,6 @@ impl AcceptanceTable {
                 }
             } else {
                 let base = p * d;
-                let sum = &mut sum[lane];
                 for (&b, &c) in self.bin[base..base + m]
                     .iter()
                     .zip(&self.cum_conf[base..base + m])
@@ -492,8 +611,38 @@ impl AcceptanceTable {
                 }
             }
         }
-        // Every bin at once (vector adds, no record of which bins were touched): what
-        // `fill_histogram` leaves in an empty histogram, the lanes reset for the next call.
+        (kv, max_kv, total)
+    }
+
+    /// The drafts of profile `p` that the packed word `w`'s uniform accepts, out of the whole
+    /// row: entries above the uniform are a prefix of the non-increasing row (see `accepted`).
+    #[inline(always)]
+    fn accepts<const D: usize>(&self, p: usize, w: u64) -> u8 {
+        if D == RECORD_DRAFTS {
+            let r = &self.records[p];
+            let x = w as u32;
+            let n: u8 = r.accept_upto.iter().map(|&t| u8::from(x <= t)).sum();
+            n.min(r.accept_cap)
+        } else {
+            let d = self.row_len::<D>();
+            let u = (w & 0xffff_ffff) as f64 / 4_294_967_296.0;
+            self.cum_true[p * d..(p + 1) * d]
+                .iter()
+                .map(|&c| u8::from(c > u))
+                .sum()
+        }
+    }
+
+    /// Every bin at once (vector adds, no record of which bins were touched): what
+    /// `fill_histogram` leaves in an empty histogram, the lanes reset for the next call.
+    #[inline(always)]
+    fn merge_histogram<const D: usize>(
+        &self,
+        packed: &[u64],
+        count: &mut [u32; CONFIDENCE_BINS],
+        sum: &mut [[f64; CONFIDENCE_BINS]; RankScratch::LANES],
+        hist: &mut ConfidenceHistogram,
+    ) {
         hist.count.resize(CONFIDENCE_BINS, 0);
         hist.sum.resize(CONFIDENCE_BINS, 0.0);
         let (hist_count, hist_sum) = (
@@ -501,24 +650,11 @@ impl AcceptanceTable {
             &mut hist.sum[..CONFIDENCE_BINS],
         );
         let [s0, s1, s2, s3] = sum;
-        if n <= SMALL_RANK_SEQS {
+        if packed.len() <= SMALL_RANK_SEQS {
             // A rank of a few sequences touches a few bins: merging all 64 cost more than its
             // drafts did (+8 % on the small-unit bench). Same bits: untouched bins are zero
             // either way, touched ones are summed in the same order.
-            let mut touched = 0u64;
-            for &w in packed.iter() {
-                let (p, m) = (profile(w), ((w >> 48) & 0xff) as usize);
-                if D == RECORD_DRAFTS {
-                    let row = self.bin_rows[p];
-                    for i in 0..m {
-                        touched |= 1 << ((row >> (8 * i)) as usize & BIN_MASK);
-                    }
-                } else {
-                    for &b in &self.bin[p * d..p * d + m] {
-                        touched |= 1 << (b as usize & BIN_MASK);
-                    }
-                }
-            }
+            let mut touched = self.touched_bins::<D>(packed);
             hist_count.fill(0);
             hist_sum.fill(0.0);
             while touched != 0 {
@@ -535,41 +671,49 @@ impl AcceptanceTable {
                 (s0[b], s1[b], s2[b], s3[b]) = (0.0, 0.0, 0.0, 0.0);
             }
         }
-        hist.seqs = n as u32;
-        let budget = match budget {
-            Some(b) if (b as usize) < total => b as usize,
-            _ => {
-                // Everything allowed is verified.
-                let mut verified = 0u32;
-                for (o, &w) in out.iter_mut().zip(packed.iter()) {
-                    let (m, a) = ((w >> 48) as u8, (w >> 56) as u8);
-                    verified += u32::from(m);
-                    *o = SeqOutcome {
-                        verified: m,
-                        accepted: a.min(m),
-                    };
+    }
+
+    /// The bins the allowed drafts of the packed words fall in, bit `b` for bin `b`.
+    #[inline(always)]
+    fn touched_bins<const D: usize>(&self, packed: &[u64]) -> u64 {
+        let d = self.row_len::<D>();
+        let mut touched = 0u64;
+        for &w in packed.iter() {
+            let (p, m) = (word_profile(w), ((w >> 48) & 0xff) as usize);
+            if D == RECORD_DRAFTS {
+                let row = self.bin_rows[p];
+                for i in 0..m {
+                    touched |= 1 << ((row >> (8 * i)) as usize & BIN_MASK);
                 }
-                return RankStep {
-                    kv_tokens: kv,
-                    max_kv_tokens: u64::from(max_kv),
-                    verified,
-                };
+            } else {
+                for &b in &self.bin[p * d..p * d + m] {
+                    touched |= 1 << (b as usize & BIN_MASK);
+                }
             }
-        };
-        // The cut's bin `cut`: fewer than `budget` drafts lie above it, at least that many in
-        // it and above (the budget is below the total, so the scan stops at a bin).
-        let (mut cut, mut above) = (CONFIDENCE_BINS - 1, 0usize);
-        while above + hist.count[cut] as usize <= budget {
-            above += hist.count[cut] as usize;
-            cut -= 1;
         }
+        touched
+    }
+
+    /// The second pass: each sequence verifies its drafts in bins above the cut; the sequences
+    /// with drafts in the cut's bin are listed in `at_cut`. Returns the drafts verified and
+    /// the number listed.
+    #[inline(always)]
+    fn verify_above_cut<const D: usize>(
+        &self,
+        packed: &[u64],
+        rows: &[u64],
+        cut: usize,
+        at_cut: &mut Vec<u32>,
+        out: &mut [SeqOutcome],
+    ) -> (u32, usize) {
+        let d = self.row_len::<D>();
         let mut verified = 0u32;
         // Per byte of a bin row: adding `0x7f - cut` sets the byte's top bit iff its bin lies
         // above the cut (bins are below 64, so no byte carries into the next).
         const ONES: u64 = 0x0101_0101_0101_0101;
         let over = ONES * (0x7f - cut as u64);
         // Sequences at the cut are listed without a branch (they are few and unpredictable).
-        at_cut.resize(n, 0);
+        at_cut.resize(packed.len(), 0);
         let mut n_cut = 0;
         for (s, (o, &w)) in out.iter_mut().zip(packed.iter()).enumerate() {
             let (m, a) = (((w >> 48) & 0xff) as usize, (w >> 56) as u8);
@@ -581,7 +725,7 @@ impl AcceptanceTable {
                 let l = (above.wrapping_mul(ONES) >> 56) as usize;
                 (l, (row >> (8 * l)) as u8)
             } else {
-                let p = profile(w);
+                let p = word_profile(w);
                 let row = &self.bin[p * d..p * d + m];
                 let l = row.iter().map(|&b| usize::from(b as usize > cut)).sum();
                 (l, row.get(l).copied().unwrap_or(0))
@@ -594,35 +738,33 @@ impl AcceptanceTable {
                 accepted: a.min(l as u8),
             };
         }
+        (verified, n_cut)
+    }
+
+    /// The drafts in the cut's bin of the sequences `at_cut`, as (rank, sequence, position)
+    /// keys into `keys`.
+    #[inline(always)]
+    fn cut_keys<const D: usize>(
+        &self,
+        packed: &[u64],
+        at_cut: &[u32],
+        cut: usize,
+        out: &[SeqOutcome],
+        keys: &mut Vec<u64>,
+    ) {
+        let d = self.row_len::<D>();
         keys.clear();
-        for &s in &at_cut[..n_cut] {
+        for &s in at_cut {
             let w = packed[s as usize];
             let (m, l) = (
                 ((w >> 48) & 0xff) as usize,
                 out[s as usize].verified as usize,
             );
-            let base = profile(w) * d;
+            let base = word_profile(w) * d;
             let at = self.bin[base..base + m].iter().enumerate().skip(l);
             for (i, _) in at.take_while(|&(_, &b)| b as usize == cut) {
                 keys.push(u64::from(self.rank[base + i]) << 32 | u64::from(s) << 8 | i as u64);
             }
-        }
-        let need = budget - above;
-        if need > 0 {
-            keys.select_nth_unstable(need - 1);
-            for &k in &keys[..need] {
-                let s = ((k >> 8) & 0xff_ffff) as usize;
-                let a = (packed[s] >> 56) as u8;
-                let o = &mut out[s];
-                o.verified += 1;
-                o.accepted = a.min(o.verified);
-            }
-            verified += need as u32;
-        }
-        RankStep {
-            kv_tokens: kv,
-            max_kv_tokens: u64::from(max_kv),
-            verified,
         }
     }
 

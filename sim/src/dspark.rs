@@ -76,8 +76,80 @@ pub fn run_point(
 ) -> Result<DsparkResult, ConfigError> {
     point.validate()?;
     acceptance.validate()?;
+    let group = DecodeGroup::new(
+        EngineId(0),
+        group_config(point, verification),
+        profile.decode.clone(),
+    )?;
+    let mut backend = CostModel::new(
+        profile.clone(),
+        acceptance,
+        point.draft_tokens,
+        SwapIn::Overlapped,
+        seed,
+    );
+    let mut lp = ClosedLoop::fill(point, group, seed);
+    let mut plans = [
+        StepPlan::Decode(empty_plan()),
+        StepPlan::Decode(empty_plan()),
+    ];
+    let mut report = StepReport::default();
+    let mut out: Vec<SeqEmission> = Vec::new();
+    let (mut now, mut t0) = (Nanos::ZERO, Nanos::ZERO);
+    let mut tally = Tally::default();
+    let asynchronous = point.scheduling == Scheduling::Async;
+    let sync_gap = sync_gap(point, profile);
+    // Async: the plan of step N+1 exists before N's report is applied.
+    if let StepPlan::Decode(p) = &mut plans[0] {
+        lp.group.plan_step(p);
+    }
+    for step in 0..point.warmup_steps + point.steps {
+        let (cur, next) = plans.split_at_mut(1);
+        let (cur, next) = (&mut cur[0], &mut next[0]);
+        backend.execute(now, cur, &mut report);
+        if asynchronous && let StepPlan::Decode(p) = next {
+            lp.group.plan_step(p);
+        }
+        let StepPlan::Decode(cp) = &*cur else {
+            unreachable!("decode plans only")
+        };
+        lp.group.apply_report(cp, &report, &mut out);
+        now = now + report.duration + sync_gap;
+        if step == point.warmup_steps {
+            t0 = now - report.duration - sync_gap;
+        }
+        if step >= point.warmup_steps {
+            tally.add(&out, &report, cp.dynamic);
+        }
+        for e in out.iter().filter(|e| e.finished) {
+            let r = lp.rank_of[e.request.0 as usize];
+            lp.admit(r);
+        }
+        if !asynchronous && let StepPlan::Decode(p) = next {
+            lp.group.plan_step(p);
+        }
+        plans.swap(0, 1);
+    }
+    lp.group
+        .check_invariants()
+        .map_err(|e| ConfigError::invalid("dspark", e))?;
+    Ok(tally.result(point, (now - t0).as_secs_f64()))
+}
+
+/// CPU time between decode steps: none under asynchronous scheduling, which hides it behind
+/// the GPU.
+fn sync_gap(point: &DsparkPoint, profile: &HardwareProfile) -> Nanos {
+    if point.scheduling == Scheduling::Async {
+        Nanos::ZERO
+    } else {
+        profile.transfer.sync_gap
+    }
+}
+
+/// One EP group sized for the point: every rank holds its sequences at their longest.
+fn group_config(point: &DsparkPoint, verification: &VerificationPolicy) -> DecodeGroupConfig {
     let max_ctx = u64::from(point.kv_tokens_max) + u64::from(point.output_tokens_max);
-    let cfg = DecodeGroupConfig {
+    DecodeGroupConfig {
         ranks: point.ranks,
         max_seqs_per_rank: point.seqs_per_rank,
         kv_capacity_tokens_per_rank: max_ctx * u64::from(point.seqs_per_rank),
@@ -86,97 +158,87 @@ pub fn run_point(
         verification: verification.clone(),
         scheduling: point.scheduling,
         expert_imbalance: point.expert_imbalance,
-    };
-    let mut group = DecodeGroup::new(EngineId(0), cfg, profile.decode.clone())?;
-    let mut backend = CostModel::new(
-        profile.clone(),
-        acceptance,
-        point.draft_tokens,
-        SwapIn::Overlapped,
-        seed,
-    );
-    let mut rng = ChaCha8Rng::seed_from_u64(servelab_core::seed::sub_seed(seed, "dspark.requests"));
-    let mut next_id = 0u64;
-    let mut rank_of: Vec<u32> = Vec::new();
-    let mut new_seq =
-        |group: &mut DecodeGroup, r: u32, rng: &mut ChaCha8Rng, rank_of: &mut Vec<u32>| {
-            let kv = rng.random_range(point.kv_tokens_min..=point.kv_tokens_max);
-            let out = rng.random_range(point.output_tokens_min..=point.output_tokens_max);
-            group
-                .admit(r, RequestId(next_id), kv, out)
-                .expect("closed loop never overfills");
-            rank_of.push(r);
-            next_id += 1;
+    }
+}
+
+/// The group with its sequences, each replaced on its rank as it finishes; their KV and output
+/// lengths drawn from the point's ranges.
+struct ClosedLoop<'a> {
+    point: &'a DsparkPoint,
+    group: DecodeGroup,
+    rng: ChaCha8Rng,
+    next_id: u64,
+    /// The rank of each request, indexed by its id.
+    rank_of: Vec<u32>,
+}
+
+impl<'a> ClosedLoop<'a> {
+    /// The group with every rank full, ranks in order.
+    fn fill(point: &'a DsparkPoint, group: DecodeGroup, seed: u64) -> Self {
+        let rng = ChaCha8Rng::seed_from_u64(servelab_core::seed::sub_seed(seed, "dspark.requests"));
+        let mut lp = ClosedLoop {
+            point,
+            group,
+            rng,
+            next_id: 0,
+            rank_of: Vec::new(),
         };
-    for r in 0..point.ranks {
-        for _ in 0..point.seqs_per_rank {
-            new_seq(&mut group, r, &mut rng, &mut rank_of);
+        for r in 0..point.ranks {
+            for _ in 0..point.seqs_per_rank {
+                lp.admit(r);
+            }
+        }
+        lp
+    }
+
+    /// A new sequence on rank `r`.
+    fn admit(&mut self, r: u32) {
+        let p = self.point;
+        let kv = self.rng.random_range(p.kv_tokens_min..=p.kv_tokens_max);
+        let out = self
+            .rng
+            .random_range(p.output_tokens_min..=p.output_tokens_max);
+        self.group
+            .admit(r, RequestId(self.next_id), kv, out)
+            .expect("closed loop never overfills");
+        self.rank_of.push(r);
+        self.next_id += 1;
+    }
+}
+
+/// Totals over the measured steps.
+#[derive(Default)]
+struct Tally {
+    tokens: u64,
+    seq_steps: u64,
+    verified: u64,
+    dyn_steps: u64,
+}
+
+impl Tally {
+    /// One step: its emissions, its report and whether it ran in dynamic mode.
+    fn add(&mut self, out: &[SeqEmission], report: &StepReport, dynamic: bool) {
+        self.tokens += out.iter().map(|e| u64::from(e.tokens)).sum::<u64>();
+        self.seq_steps += out.len() as u64;
+        self.verified += report
+            .seqs
+            .iter()
+            .map(|s| u64::from(s.verified))
+            .sum::<u64>();
+        self.dyn_steps += u64::from(dynamic);
+    }
+
+    /// The rates over `secs` of measured time.
+    fn result(&self, point: &DsparkPoint, secs: f64) -> DsparkResult {
+        let plan_seqs = self.seq_steps.max(1) as f64;
+        DsparkResult {
+            tokens_per_s_per_rank: self.tokens as f64 / secs / f64::from(point.ranks),
+            accepted_length: self.tokens as f64 / plan_seqs,
+            verified_per_step: self.verified as f64 / plan_seqs,
+            mean_step_ms: secs * 1e3 / f64::from(point.steps),
+            dynamic_share: self.dyn_steps as f64 / f64::from(point.steps),
         }
     }
-    let mut plans = [
-        StepPlan::Decode(empty_plan()),
-        StepPlan::Decode(empty_plan()),
-    ];
-    let mut report = StepReport::default();
-    let mut out: Vec<SeqEmission> = Vec::new();
-    let (mut now, mut t0) = (Nanos::ZERO, Nanos::ZERO);
-    let (mut tokens, mut seq_steps, mut verified, mut dyn_steps) = (0u64, 0u64, 0u64, 0u64);
-    let asynchronous = point.scheduling == Scheduling::Async;
-    let sync_gap = if asynchronous {
-        Nanos::ZERO
-    } else {
-        profile.transfer.sync_gap
-    };
-    // Async: the plan of step N+1 exists before N's report is applied.
-    if let StepPlan::Decode(p) = &mut plans[0] {
-        group.plan_step(p);
-    }
-    for step in 0..point.warmup_steps + point.steps {
-        let (cur, next) = plans.split_at_mut(1);
-        let (cur, next) = (&mut cur[0], &mut next[0]);
-        backend.execute(now, cur, &mut report);
-        if asynchronous && let StepPlan::Decode(p) = next {
-            group.plan_step(p);
-        }
-        let StepPlan::Decode(cp) = &*cur else {
-            unreachable!("decode plans only")
-        };
-        group.apply_report(cp, &report, &mut out);
-        now = now + report.duration + sync_gap;
-        if step == point.warmup_steps {
-            t0 = now - report.duration - sync_gap;
-        }
-        if step >= point.warmup_steps {
-            tokens += out.iter().map(|e| u64::from(e.tokens)).sum::<u64>();
-            seq_steps += out.len() as u64;
-            verified += report
-                .seqs
-                .iter()
-                .map(|s| u64::from(s.verified))
-                .sum::<u64>();
-            dyn_steps += u64::from(cp.dynamic);
-        }
-        for e in out.iter().filter(|e| e.finished) {
-            let r = rank_of[e.request.0 as usize];
-            new_seq(&mut group, r, &mut rng, &mut rank_of);
-        }
-        if !asynchronous && let StepPlan::Decode(p) = next {
-            group.plan_step(p);
-        }
-        plans.swap(0, 1);
-    }
-    group
-        .check_invariants()
-        .map_err(|e| ConfigError::invalid("dspark", e))?;
-    let secs = (now - t0).as_secs_f64();
-    let plan_seqs = seq_steps.max(1) as f64;
-    Ok(DsparkResult {
-        tokens_per_s_per_rank: tokens as f64 / secs / f64::from(point.ranks),
-        accepted_length: tokens as f64 / plan_seqs,
-        verified_per_step: verified as f64 / plan_seqs,
-        mean_step_ms: secs * 1e3 / f64::from(point.steps),
-        dynamic_share: dyn_steps as f64 / f64::from(point.steps),
-    })
 }
 
 fn empty_plan() -> DecodePlan {

@@ -354,6 +354,19 @@ impl ClassBins {
         self.dist_tokens[d] += tokens;
         self.dist_blocks[d] += 1;
     }
+
+    /// Adds one block of `tokens` at deciding reuse time `t`, merged into the last run when
+    /// that has the same time.
+    #[inline]
+    fn add_reuse(&mut self, t: Nanos, tokens: u64) {
+        match self.reuse.last_mut() {
+            Some((last, tok, blk)) if *last == t => {
+                *tok += tokens;
+                *blk += 1;
+            }
+            _ => self.reuse.push((t, tokens, 1)),
+        }
+    }
 }
 
 /// The one-pass computation, fed one request at a time in arrival order (sans-IO: the caller
@@ -398,8 +411,6 @@ impl OnePass {
     /// Adds one request (requests must come in arrival order).
     pub fn push(&mut self, req: &Request) {
         let now = req.arrival;
-        let bs = u64::from(self.block_tokens);
-        let len = u64::from(req.prompt_tokens);
         self.keys.clear();
         self.keys.extend_from_slice(req.prompt_blocks());
         self.keys.extend(req.tail_key());
@@ -410,6 +421,27 @@ impl OnePass {
                 self.seen.push((i, self.stack.lookup(k)));
             }
         }
+        self.count_prompt(req);
+        self.access_kept(now);
+        if self.opts.cache_outputs {
+            // The same blocks as `block_replay` writes back: full output blocks and the partial
+            // block at the end of the context.
+            self.keys.clear();
+            self.keys.extend_from_slice(req.output_blocks());
+            if !req.context_tokens().is_multiple_of(self.block_tokens) {
+                self.keys.extend(req.key_at(req.context_tokens()));
+            }
+            self.access_kept(now);
+        }
+    }
+
+    /// Counts the prompt in `keys` into its class's bins, from the lookups in `seen`: each kept
+    /// block of the leading run of hits at its deciding stack distance and reuse time.
+    #[inline]
+    fn count_prompt(&mut self, req: &Request) {
+        let now = req.arrival;
+        let bs = u64::from(self.block_tokens);
+        let len = u64::from(req.prompt_tokens);
         let b = &mut self.bins[req.class.index()];
         b.requests += 1;
         b.input_tokens += len;
@@ -429,13 +461,7 @@ impl OnePass {
                     max_dist = max_dist.max(s.distance);
                     max_reuse = max_reuse.max(now.saturating_sub(s.last));
                     b.add_distance(max_dist, tokens);
-                    match b.reuse.last_mut() {
-                        Some((t, tok, blk)) if *t == max_reuse => {
-                            *tok += tokens;
-                            *blk += 1;
-                        }
-                        _ => b.reuse.push((max_reuse, tokens, 1)),
-                    }
+                    b.add_reuse(max_reuse, tokens);
                 }
                 _ => cold = true,
             }
@@ -451,27 +477,16 @@ impl OnePass {
         {
             b.counted_tokens += len - covered;
         }
+    }
+
+    /// Accesses every kept key of `keys`, in order, at `now`.
+    #[inline]
+    fn access_kept(&mut self, now: Nanos) {
         for i in 0..self.keys.len() {
             let k = self.keys[i];
             if self.sampler.keeps(k) {
                 self.stack.access(k, now);
                 self.accesses += 1;
-            }
-        }
-        if self.opts.cache_outputs {
-            // The same blocks as `block_replay` writes back: full output blocks and the partial
-            // block at the end of the context.
-            self.keys.clear();
-            self.keys.extend_from_slice(req.output_blocks());
-            if !req.context_tokens().is_multiple_of(self.block_tokens) {
-                self.keys.extend(req.key_at(req.context_tokens()));
-            }
-            for i in 0..self.keys.len() {
-                let k = self.keys[i];
-                if self.sampler.keeps(k) {
-                    self.stack.access(k, now);
-                    self.accesses += 1;
-                }
             }
         }
     }

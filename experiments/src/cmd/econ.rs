@@ -360,7 +360,15 @@ fn render_single(r: &SingleReport) -> String {
     }
     s += &text_table(&["", "hit", "miss", "output", "total"], &rows, true);
     s += "\n";
-    let hit = if e.pool_ratio_holds {
+    s += &text_table(&["quantity", "value"], &quantities(e), false);
+    s += "\ncrossings along the 1:1 pool line\n\n";
+    s += &render_crossings(&r.crossings);
+    s
+}
+
+/// The hit rate the 1:1 pools give, saying why when they cannot hold.
+fn hit_rate_text(e: &EconEstimate) -> String {
+    if e.pool_ratio_holds {
         pct(e.hit_rate)
     } else if (0.0..=1.0).contains(&e.hit_rate_implied) {
         format!(
@@ -373,10 +381,14 @@ fn render_single(r: &SingleReport) -> String {
             pct(e.hit_rate),
             pct(e.hit_rate_implied)
         )
-    };
+    }
+}
+
+/// The single estimate's quantities, one (name, value) row each.
+fn quantities(e: &EconEstimate) -> Vec<Vec<String>> {
     let opt = |v: Option<f64>, f: fn(f64) -> String| v.map_or("n/a".to_string(), f);
-    let kv: Vec<Vec<String>> = [
-        ("hit rate from 1:1 pools", hit),
+    [
+        ("hit rate from 1:1 pools", hit_rate_text(e)),
         ("revenue/day", usd(e.revenue_per_day)),
         ("GPUs implied by revenue", int(e.gpus_from_revenue)),
         ("prefill GPUs", int(e.prefill_gpus)),
@@ -427,11 +439,7 @@ fn render_single(r: &SingleReport) -> String {
     ]
     .into_iter()
     .map(|(k, v)| vec![k.to_string(), v])
-    .collect();
-    s += &text_table(&["quantity", "value"], &kv, false);
-    s += "\ncrossings along the 1:1 pool line\n\n";
-    s += &render_crossings(&r.crossings);
-    s
+    .collect()
 }
 
 fn render_sweep(r: &SweepReport) -> String {

@@ -410,6 +410,74 @@ pub fn run(a: Args) -> Result<()> {
 
 /// Computes the curves, writes the tables, plots, summary and manifest to `a.out`.
 pub fn compute(a: &Args) -> Result<Outcome> {
+    let class = check_args(a)?;
+    let sampler = servelab_sim::mrc::Sampler::new(a.sample_rate)
+        .map_err(|e| anyhow::anyhow!("--sample-rate: {e}"))?;
+    let trace = load(a, class)?;
+    if trace.is_empty() {
+        bail!("{}: the trace has no requests", a.trace.display());
+    }
+    let block_bytes = u64::from(trace.block_tokens) * u64::from(a.bytes_per_token);
+    let opts = MrcOptions {
+        sample_rate: a.sample_rate,
+        cache_outputs: a.cache_outputs,
+    };
+    let passes = Passes::run(&trace, opts, !sampler.is_exact(), a.no_exact)?;
+    let grids = Grids::new(passes.reference(), a.points_per_decade);
+
+    let mut out = RunOutput::create(&a.out)?;
+    let (main_cap, main_ttl) = write_curve_tables(&mut out, passes.main(), &grids, block_bytes)?;
+    // Sampling error against the unsampled pass on the same grids.
+    let mut error_summary: Vec<ErrorSummary> = Vec::new();
+    let mut exact_rows: Option<(Vec<Row>, Vec<Row>)> = None;
+    if let (Some((e, _)), Some(_)) = (&passes.exact, &passes.sampled) {
+        let (ec, et) = (capacity_rows(e, &grids.cap), ttl_rows(e, &grids.ttl));
+        error_summary.extend(errors("capacity", &ec, &main_cap));
+        error_summary.extend(errors("ttl", &et, &main_ttl));
+        write_sampling_error(
+            &mut out,
+            [("capacity", &ec, &main_cap), ("ttl", &et, &main_ttl)],
+        )?;
+        exact_rows = Some((ec, et));
+    }
+    let mut checks: Vec<CheckRow> = Vec::new();
+    let mut replay_times: Vec<f64> = Vec::new();
+    if a.check > 0 {
+        let Some((e, _)) = &passes.exact else {
+            bail!("--check compares point replays with the unsampled curves: drop --no-exact");
+        };
+        (checks, replay_times) = point_replays(a, &trace, e, &grids, block_bytes)?;
+        write_check_table(&mut out, &checks)?;
+    }
+
+    let f = Findings {
+        a,
+        trace: &trace,
+        trace_name: a.trace.file_name().map_or_else(
+            || a.trace.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        ),
+        passes: &passes,
+        grids: &grids,
+        block_bytes,
+        sampler,
+        error_summary,
+        checks,
+        replay_times,
+    };
+    write_plots(&mut out, &f, (&main_cap, &main_ttl), exact_rows.as_ref())?;
+    out.write_text("summary.md", &f.summary_md())?;
+    write_manifest(&mut out, &f, class)?;
+    let speed = f.speed();
+    Ok(Outcome {
+        json: f.json(&speed),
+        text: f.text(&speed, &out),
+        all_equal: f.all_equal(),
+    })
+}
+
+/// Parses `--class` and rejects the zero sizes no curve can be drawn with.
+fn check_args(a: &Args) -> Result<TrafficClass> {
     let class = TrafficClass::parse(&a.class)
         .with_context(|| format!("--class: unknown class `{}` (agent, chat, other)", a.class))?;
     if a.block_size == Some(0) {
@@ -421,61 +489,95 @@ pub fn compute(a: &Args) -> Result<Outcome> {
     if a.points_per_decade == 0 {
         bail!("--points-per-decade must be positive");
     }
-    let sampler = servelab_sim::mrc::Sampler::new(a.sample_rate)
-        .map_err(|e| anyhow::anyhow!("--sample-rate: {e}"))?;
-    let trace = load(a, class)?;
-    if trace.is_empty() {
-        bail!("{}: the trace has no requests", a.trace.display());
+    Ok(class)
+}
+
+/// The unsampled and the sampled pass over the trace, each with its run time in seconds.
+struct Passes {
+    exact: Option<(Curves, f64)>,
+    sampled: Option<(Curves, f64)>,
+}
+
+impl Passes {
+    /// The unsampled pass (unless asked not to), then the sampled one.
+    fn run(trace: &Trace, opts: MrcOptions, sampled_mode: bool, no_exact: bool) -> Result<Self> {
+        let mut exact: Option<(Curves, f64)> = None;
+        if !sampled_mode || !no_exact {
+            let t = Instant::now();
+            let c = curves(
+                trace,
+                MrcOptions {
+                    sample_rate: 1.0,
+                    ..opts
+                },
+            )
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            exact = Some((c, t.elapsed().as_secs_f64()));
+        }
+        let sampled: Option<(Curves, f64)> = if sampled_mode {
+            let t = Instant::now();
+            let c = curves(trace, opts).map_err(|e| anyhow::anyhow!("{e}"))?;
+            Some((c, t.elapsed().as_secs_f64()))
+        } else {
+            None
+        };
+        Ok(Self { exact, sampled })
     }
-    let requests = trace.len() as f64;
-    let block_bytes = u64::from(trace.block_tokens) * u64::from(a.bytes_per_token);
-    let opts = MrcOptions {
-        sample_rate: a.sample_rate,
-        cache_outputs: a.cache_outputs,
-    };
-    let sampled_mode = !sampler.is_exact();
 
-    // The unsampled pass (unless asked not to), then the sampled one.
-    let mut exact: Option<(Curves, f64)> = None;
-    if !sampled_mode || !a.no_exact {
-        let t = Instant::now();
-        let c = curves(
-            &trace,
-            MrcOptions {
-                sample_rate: 1.0,
-                ..opts
-            },
-        )
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-        exact = Some((c, t.elapsed().as_secs_f64()));
+    /// The curves the tables show: the sampled ones when sampled, else the exact ones.
+    fn main(&self) -> &Curves {
+        self.sampled
+            .as_ref()
+            .or(self.exact.as_ref())
+            .map(|x| &x.0)
+            .expect("one pass ran")
     }
-    let sampled: Option<(Curves, f64)> = if sampled_mode {
-        let t = Instant::now();
-        let c = curves(&trace, opts).map_err(|e| anyhow::anyhow!("{e}"))?;
-        Some((c, t.elapsed().as_secs_f64()))
-    } else {
-        None
-    };
-    let main = sampled
-        .as_ref()
-        .or(exact.as_ref())
-        .map(|x| &x.0)
-        .expect("one pass ran");
 
-    // Grids: capacities up to where the curve stops rising (a step past it shows the plateau),
-    // TTLs from 1 ms up to just past the longest reuse time.
-    let sat = exact.as_ref().map_or(main, |x| &x.0).saturating_capacity();
-    let cap_grid = log_grid((sat + sat / 8).max(2), a.points_per_decade);
-    let max_reuse = exact.as_ref().map_or(main, |x| &x.0).all.max_reuse();
-    let top_ms = (max_reuse.0 / 1_000_000 + 1) * 9 / 8 + 1;
-    let ttl_grid: Vec<Nanos> = log_grid(top_ms.max(2), a.points_per_decade)
-        .into_iter()
-        .map(Nanos::from_millis)
-        .collect();
+    /// The curves the grids and totals come from: the unsampled ones where that pass ran.
+    fn reference(&self) -> &Curves {
+        self.exact.as_ref().map_or(self.main(), |x| &x.0)
+    }
+}
 
-    let mut out = RunOutput::create(&a.out)?;
-    let main_cap = capacity_rows(main, &cap_grid);
-    let main_ttl = ttl_rows(main, &ttl_grid);
+/// The capacity and TTL grids of the tables and plots, and the points they are cut at.
+struct Grids {
+    cap: Vec<u64>,
+    ttl: Vec<Nanos>,
+    /// The capacity past which the curve stops rising.
+    sat: u64,
+    max_reuse: Nanos,
+}
+
+impl Grids {
+    /// Capacities up to where the curve stops rising (a step past it shows the plateau), TTLs
+    /// from 1 ms up to just past the longest reuse time.
+    fn new(reference: &Curves, points_per_decade: u32) -> Self {
+        let sat = reference.saturating_capacity();
+        let cap = log_grid((sat + sat / 8).max(2), points_per_decade);
+        let max_reuse = reference.all.max_reuse();
+        let top_ms = (max_reuse.0 / 1_000_000 + 1) * 9 / 8 + 1;
+        let ttl: Vec<Nanos> = log_grid(top_ms.max(2), points_per_decade)
+            .into_iter()
+            .map(Nanos::from_millis)
+            .collect();
+        Self {
+            cap,
+            ttl,
+            sat,
+            max_reuse,
+        }
+    }
+}
+
+/// Writes the main curves' capacity and TTL tables and returns their rows.
+fn write_curve_tables(
+    out: &mut RunOutput,
+    main: &Curves,
+    grids: &Grids,
+    block_bytes: u64,
+) -> Result<(Vec<Row>, Vec<Row>)> {
+    let main_cap = capacity_rows(main, &grids.cap);
+    let main_ttl = ttl_rows(main, &grids.ttl);
     out.write_table(
         "capacity",
         &mut rows_frame(
@@ -485,119 +587,143 @@ pub fn compute(a: &Args) -> Result<Outcome> {
         )?,
     )?;
     out.write_table("ttl", &mut rows_frame(&main_ttl, "ttl_s", None)?)?;
+    Ok((main_cap, main_ttl))
+}
 
-    // Sampling error against the unsampled pass on the same grids.
-    let mut error_summary: Vec<ErrorSummary> = Vec::new();
-    let mut exact_rows: Option<(Vec<Row>, Vec<Row>)> = None;
-    if let (Some((e, _)), Some(_)) = (&exact, &sampled) {
-        let ec = capacity_rows(e, &cap_grid);
-        let et = ttl_rows(e, &ttl_grid);
-        error_summary.extend(errors("capacity", &ec, &main_cap));
-        error_summary.extend(errors("ttl", &et, &main_ttl));
-        let mut rows: Vec<(&str, &str, f64, f64, f64, f64, f64)> = Vec::new();
-        for (curve, ex, sa) in [("capacity", &ec, &main_cap), ("ttl", &et, &main_ttl)] {
-            for (x, s) in ex.iter().zip(sa.iter()) {
-                rows.push((curve, x.class, x.x, x.token, s.token, x.block, s.block));
-            }
+/// Writes the sampling error table: for each curve, (name, unsampled rows, sampled rows) on
+/// the same grid.
+fn write_sampling_error(out: &mut RunOutput, curves: [(&str, &[Row], &[Row]); 2]) -> Result<()> {
+    let mut rows: Vec<(&str, &str, f64, f64, f64, f64, f64)> = Vec::new();
+    for (curve, ex, sa) in curves {
+        for (x, s) in ex.iter().zip(sa.iter()) {
+            rows.push((curve, x.class, x.x, x.token, s.token, x.block, s.block));
         }
-        let mut df = df!(
-            "curve" => rows.iter().map(|r| r.0).collect::<Vec<_>>(),
-            "class" => rows.iter().map(|r| r.1).collect::<Vec<_>>(),
-            "x" => rows.iter().map(|r| r.2).collect::<Vec<_>>(),
-            "exact_token_hit_rate" => rows.iter().map(|r| r.3).collect::<Vec<_>>(),
-            "sampled_token_hit_rate" => rows.iter().map(|r| r.4).collect::<Vec<_>>(),
-            "token_error" => rows.iter().map(|r| r.4 - r.3).collect::<Vec<_>>(),
-            "exact_block_hit_rate" => rows.iter().map(|r| r.5).collect::<Vec<_>>(),
-            "sampled_block_hit_rate" => rows.iter().map(|r| r.6).collect::<Vec<_>>(),
-            "block_error" => rows.iter().map(|r| r.6 - r.5).collect::<Vec<_>>(),
-        )?;
-        out.write_table("sampling_error", &mut df)?;
-        exact_rows = Some((ec, et));
     }
+    let mut df = df!(
+        "curve" => rows.iter().map(|r| r.0).collect::<Vec<_>>(),
+        "class" => rows.iter().map(|r| r.1).collect::<Vec<_>>(),
+        "x" => rows.iter().map(|r| r.2).collect::<Vec<_>>(),
+        "exact_token_hit_rate" => rows.iter().map(|r| r.3).collect::<Vec<_>>(),
+        "sampled_token_hit_rate" => rows.iter().map(|r| r.4).collect::<Vec<_>>(),
+        "token_error" => rows.iter().map(|r| r.4 - r.3).collect::<Vec<_>>(),
+        "exact_block_hit_rate" => rows.iter().map(|r| r.5).collect::<Vec<_>>(),
+        "sampled_block_hit_rate" => rows.iter().map(|r| r.6).collect::<Vec<_>>(),
+        "block_error" => rows.iter().map(|r| r.6 - r.5).collect::<Vec<_>>(),
+    )?;
+    out.write_table("sampling_error", &mut df)
+}
 
-    // Point replays at a spread of the grid's capacities and TTLs.
+/// Point replays at a spread of the grid's capacities and TTLs, compared with the unsampled
+/// curves; returns the comparison rows and each replay's time in seconds.
+fn point_replays(
+    a: &Args,
+    trace: &Trace,
+    e: &Curves,
+    grids: &Grids,
+    block_bytes: u64,
+) -> Result<(Vec<CheckRow>, Vec<f64>)> {
     let mut checks: Vec<CheckRow> = Vec::new();
     let mut replay_times: Vec<f64> = Vec::new();
-    if a.check > 0 {
-        let Some((e, _)) = &exact else {
-            bail!("--check compares point replays with the unsampled curves: drop --no-exact");
-        };
-        for cap in spread(&cap_grid, a.check) {
-            let t = Instant::now();
-            let rep = block_replay(
-                &trace,
-                &lru_store(cap, block_bytes),
-                block_bytes,
-                a.cache_outputs,
-            )
-            .map_err(|x| anyhow::anyhow!("{x}"))?;
-            replay_times.push(t.elapsed().as_secs_f64());
-            compare(
-                "capacity",
-                cap as f64,
-                e,
-                &rep,
-                |c| e.at_capacity(c, cap),
-                &mut checks,
-            );
-        }
-        for ttl in spread(&ttl_grid, a.check) {
-            let t = Instant::now();
-            let rep = block_replay(&trace, &ttl_store(ttl), block_bytes, a.cache_outputs)
-                .map_err(|x| anyhow::anyhow!("{x}"))?;
-            replay_times.push(t.elapsed().as_secs_f64());
-            compare(
-                "ttl",
-                ttl.as_secs_f64(),
-                e,
-                &rep,
-                |c| c.at_ttl(ttl),
-                &mut checks,
-            );
-        }
-        let mut df = df!(
-            "curve" => checks.iter().map(|r| r.curve).collect::<Vec<_>>(),
-            "x" => checks.iter().map(|r| r.x).collect::<Vec<_>>(),
-            "class" => checks.iter().map(|r| r.class).collect::<Vec<_>>(),
-            "replay_hit_tokens" => checks.iter().map(|r| r.replay_hit_tokens).collect::<Vec<_>>(),
-            "curve_hit_tokens" => checks.iter().map(|r| r.curve_hit_tokens).collect::<Vec<_>>(),
-            "replay_block_hits" => checks.iter().map(|r| r.replay_block_hits).collect::<Vec<_>>(),
-            "curve_block_hits" => checks.iter().map(|r| r.curve_block_hits).collect::<Vec<_>>(),
-            "equal" => checks.iter().map(|r| r.equal).collect::<Vec<_>>(),
-        )?;
-        out.write_table("check", &mut df)?;
+    for cap in spread(&grids.cap, a.check) {
+        let t = Instant::now();
+        let rep = block_replay(
+            trace,
+            &lru_store(cap, block_bytes),
+            block_bytes,
+            a.cache_outputs,
+        )
+        .map_err(|x| anyhow::anyhow!("{x}"))?;
+        replay_times.push(t.elapsed().as_secs_f64());
+        compare(
+            "capacity",
+            cap as f64,
+            e,
+            &rep,
+            |c| e.at_capacity(c, cap),
+            &mut checks,
+        );
     }
+    for ttl in spread(&grids.ttl, a.check) {
+        let t = Instant::now();
+        let rep = block_replay(trace, &ttl_store(ttl), block_bytes, a.cache_outputs)
+            .map_err(|x| anyhow::anyhow!("{x}"))?;
+        replay_times.push(t.elapsed().as_secs_f64());
+        compare(
+            "ttl",
+            ttl.as_secs_f64(),
+            e,
+            &rep,
+            |c| c.at_ttl(ttl),
+            &mut checks,
+        );
+    }
+    Ok((checks, replay_times))
+}
 
-    // Plots: the main curves; next to the exact ones when sampled.
-    let trace_name = a.trace.file_name().map_or_else(
-        || a.trace.display().to_string(),
-        |n| n.to_string_lossy().into(),
-    );
-    let what = if sampled_mode {
-        format!(", sampled at {:.4}", sampler.rate())
+/// Writes the point replays, one row per replay and class.
+fn write_check_table(out: &mut RunOutput, checks: &[CheckRow]) -> Result<()> {
+    let mut df = df!(
+        "curve" => checks.iter().map(|r| r.curve).collect::<Vec<_>>(),
+        "x" => checks.iter().map(|r| r.x).collect::<Vec<_>>(),
+        "class" => checks.iter().map(|r| r.class).collect::<Vec<_>>(),
+        "replay_hit_tokens" => checks.iter().map(|r| r.replay_hit_tokens).collect::<Vec<_>>(),
+        "curve_hit_tokens" => checks.iter().map(|r| r.curve_hit_tokens).collect::<Vec<_>>(),
+        "replay_block_hits" => checks.iter().map(|r| r.replay_block_hits).collect::<Vec<_>>(),
+        "curve_block_hits" => checks.iter().map(|r| r.curve_block_hits).collect::<Vec<_>>(),
+        "equal" => checks.iter().map(|r| r.equal).collect::<Vec<_>>(),
+    )?;
+    out.write_table("check", &mut df)
+}
+
+/// Everything the plots, the summary, the manifest and both reports are written from.
+struct Findings<'a> {
+    a: &'a Args,
+    trace: &'a Trace,
+    trace_name: String,
+    passes: &'a Passes,
+    grids: &'a Grids,
+    block_bytes: u64,
+    sampler: servelab_sim::mrc::Sampler,
+    error_summary: Vec<ErrorSummary>,
+    checks: Vec<CheckRow>,
+    replay_times: Vec<f64>,
+}
+
+/// Plots the main curves (`main`: capacity and TTL rows); next to the exact ones when sampled.
+fn write_plots(
+    out: &mut RunOutput,
+    f: &Findings,
+    main: (&[Row], &[Row]),
+    exact_rows: Option<&(Vec<Row>, Vec<Row>)>,
+) -> Result<()> {
+    let (main_cap, main_ttl) = main;
+    let curves = f.passes.main();
+    let what = if f.sampled_mode() {
+        format!(", sampled at {:.4}", f.sampler.rate())
     } else {
         String::new()
     };
     let mut cap_series = Vec::new();
     let mut ttl_series = Vec::new();
-    if let (Some((ec, et)), Some((e, _))) = (&exact_rows, &exact) {
+    if let (Some((ec, et)), Some((e, _))) = (exact_rows, &f.passes.exact) {
         cap_series.extend(series_of(ec, e, " (exact)", false));
         ttl_series.extend(series_of(et, e, " (exact)", false));
-        cap_series.extend(series_of(&main_cap, main, " (sampled)", true));
-        ttl_series.extend(series_of(&main_ttl, main, " (sampled)", true));
+        cap_series.extend(series_of(main_cap, curves, " (sampled)", true));
+        ttl_series.extend(series_of(main_ttl, curves, " (sampled)", true));
     } else {
-        cap_series.extend(series_of(&main_cap, main, "", false));
-        ttl_series.extend(series_of(&main_ttl, main, "", false));
+        cap_series.extend(series_of(main_cap, curves, "", false));
+        ttl_series.extend(series_of(main_ttl, curves, "", false));
     }
+    let trace_name = &f.trace_name;
     curve_plot(
         &out.path("capacity.svg"),
         &format!(
             "{trace_name}: hit rate vs LRU store capacity ({}-token blocks{what})",
-            trace.block_tokens
+            f.trace.block_tokens
         ),
         &format!(
             "capacity, blocks (1 block = {:.3} MB)",
-            block_bytes as f64 / 1e6
+            f.block_bytes as f64 / 1e6
         ),
         &cap_series,
     )?;
@@ -606,59 +732,139 @@ pub fn compute(a: &Args) -> Result<Outcome> {
         &format!("{trace_name}: hit rate vs TTL from last access, unbounded store{what}"),
         "TTL, seconds",
         &ttl_series,
-    )?;
+    )
+}
 
-    // Summary and manifest.
-    let headline: Vec<Vec<String>> = main
-        .curves()
-        .map(|c| {
-            let u = c.unbounded();
-            vec![
-                c.name().to_string(),
-                c.requests.to_string(),
-                c.input_tokens.to_string(),
-                format!("{:.2}%", 100.0 * u.token_hit_rate),
-                format!("{:.2}%", 100.0 * u.block_hit_rate),
-            ]
-        })
-        .collect();
-    let table = markdown_table(
-        &[
-            "class",
-            "requests",
-            "input tokens",
-            "token hit rate, unbounded",
-            "block hit rate, unbounded",
-        ],
-        &headline,
-    );
-    let mut summary = format!(
-        "# Hit-rate curves: {trace_name}\n\nTrace `{}` ({} format), {} requests, {}-token blocks \
-         ({} B each), {} distinct blocks{}; outputs {}written back. Sample rate {}.\n\n{table}\n\
-         The capacity curve is exact for an LRU store with watermarks 1.0 / 1.0 and no TTL (what \
-         `servelab replay --policy lru` runs); the TTL curve for an unbounded store whose blocks \
-         live the TTL after their last access, the same TTL for every class. A hit is the leading \
-         run of a prompt's blocks found in the store. Capacities past {} blocks ({:.3} GB) add no \
-         hits; TTLs past {:.1} s add none.\n",
-        a.trace.display(),
-        format!("{:?}", a.format).to_lowercase(),
-        trace.len(),
-        trace.block_tokens,
-        block_bytes,
-        exact.as_ref().map_or(main, |x| &x.0).distinct_blocks,
-        if sampled_mode && exact.is_none() {
-            " among the sampled keys"
-        } else {
-            ""
-        },
-        if a.cache_outputs { "" } else { "not " },
-        sampler.rate(),
-        sat,
-        sat as f64 * block_bytes as f64 / 1e9,
-        max_reuse.as_secs_f64(),
-    );
-    if !error_summary.is_empty() {
-        let rows: Vec<Vec<String>> = error_summary
+/// Writes the manifest with the run's settings. Sampling is a hash of the block key: nothing
+/// random, so the seed is 0.
+fn write_manifest(out: &mut RunOutput, f: &Findings, class: TrafficClass) -> Result<()> {
+    let a = f.a;
+    let config = serde_json::json!({
+        "trace": a.trace.display().to_string(),
+        "format": format!("{:?}", a.format).to_lowercase(),
+        "block_tokens": f.trace.block_tokens,
+        "sample_rate": a.sample_rate,
+        "sample_rate_used": f.sampler.rate(),
+        "exact_pass": f.passes.exact.is_some(),
+        "check": a.check,
+        "cache_outputs": a.cache_outputs,
+        "bytes_per_token": a.bytes_per_token,
+        "class": class.name(),
+        "points_per_decade": a.points_per_decade,
+    });
+    out.write_manifest(&Manifest::new(
+        "mrc",
+        &a.trace,
+        &serde_json::to_string_pretty(&config)?,
+        0,
+    ))
+}
+
+impl Findings<'_> {
+    fn sampled_mode(&self) -> bool {
+        !self.sampler.is_exact()
+    }
+
+    fn requests(&self) -> f64 {
+        self.trace.len() as f64
+    }
+
+    fn all_equal(&self) -> bool {
+        self.checks.iter().all(|c| c.equal)
+    }
+
+    /// The summary: the headline table, the sampling error and point replays where they ran,
+    /// and the list of files.
+    fn summary_md(&self) -> String {
+        let mut summary = self.summary_intro();
+        if !self.error_summary.is_empty() {
+            summary.push_str(&self.error_section());
+        }
+        if !self.checks.is_empty() {
+            let bad = self.checks.iter().filter(|c| !c.equal).count();
+            summary.push_str(&format!(
+                "\n## Point replays\n\n{} replays ({} rows with classes): {}.\n",
+                self.replay_times.len(),
+                self.checks.len(),
+                if bad == 0 {
+                    "every one equals the curve exactly".to_string()
+                } else {
+                    format!("{bad} rows differ (see check.csv)")
+                }
+            ));
+        }
+        summary.push_str(
+            "\n## Files\n\n- `capacity.csv`/`.parquet`: class × capacity (blocks, bytes) → token \
+             and block hit rate, hit and counted tokens and blocks (counted = the sampled keys' \
+             totals).\n\
+             - `ttl.csv`/`.parquet`: the same against the TTL in seconds.\n\
+             - `sampling_error.csv`/`.parquet` (sampled runs with an unsampled pass): both rates \
+             on the same grid.\n- `check.csv`/`.parquet` (with --check): point replays vs the \
+             curve.\n\
+             - `capacity.svg`, `ttl.svg`: the curves, log x axis, a line per class.\n",
+        );
+        summary
+    }
+
+    /// The title, what the curves mean, and the unbounded hit rate per class.
+    fn summary_intro(&self) -> String {
+        let (a, g) = (self.a, self.grids);
+        let headline: Vec<Vec<String>> = self
+            .passes
+            .main()
+            .curves()
+            .map(|c| {
+                let u = c.unbounded();
+                vec![
+                    c.name().to_string(),
+                    c.requests.to_string(),
+                    c.input_tokens.to_string(),
+                    format!("{:.2}%", 100.0 * u.token_hit_rate),
+                    format!("{:.2}%", 100.0 * u.block_hit_rate),
+                ]
+            })
+            .collect();
+        let table = markdown_table(
+            &[
+                "class",
+                "requests",
+                "input tokens",
+                "token hit rate, unbounded",
+                "block hit rate, unbounded",
+            ],
+            &headline,
+        );
+        format!(
+            "# Hit-rate curves: {}\n\nTrace `{}` ({} format), {} requests, {}-token blocks \
+             ({} B each), {} distinct blocks{}; outputs {}written back. Sample rate {}.\n\n{table}\n\
+             The capacity curve is exact for an LRU store with watermarks 1.0 / 1.0 and no TTL (what \
+             `servelab replay --policy lru` runs); the TTL curve for an unbounded store whose blocks \
+             live the TTL after their last access, the same TTL for every class. A hit is the leading \
+             run of a prompt's blocks found in the store. Capacities past {} blocks ({:.3} GB) add no \
+             hits; TTLs past {:.1} s add none.\n",
+            self.trace_name,
+            a.trace.display(),
+            format!("{:?}", a.format).to_lowercase(),
+            self.trace.len(),
+            self.trace.block_tokens,
+            self.block_bytes,
+            self.passes.reference().distinct_blocks,
+            if self.sampled_mode() && self.passes.exact.is_none() {
+                " among the sampled keys"
+            } else {
+                ""
+            },
+            if a.cache_outputs { "" } else { "not " },
+            self.sampler.rate(),
+            g.sat,
+            g.sat as f64 * self.block_bytes as f64 / 1e9,
+            g.max_reuse.as_secs_f64(),
+        )
+    }
+
+    fn error_section(&self) -> String {
+        let rows: Vec<Vec<String>> = self
+            .error_summary
             .iter()
             .map(|e| {
                 vec![
@@ -672,7 +878,7 @@ pub fn compute(a: &Args) -> Result<Outcome> {
                 ]
             })
             .collect();
-        summary.push_str(&format!(
+        format!(
             "\n## Sampling error (percentage points, sampled minus unsampled, on the grid)\n\n{}",
             markdown_table(
                 &[
@@ -686,65 +892,31 @@ pub fn compute(a: &Args) -> Result<Outcome> {
                 ],
                 &rows
             )
-        ));
+        )
     }
-    if !checks.is_empty() {
-        let bad = checks.iter().filter(|c| !c.equal).count();
-        summary.push_str(&format!(
-            "\n## Point replays\n\n{} replays ({} rows with classes): {}.\n",
-            replay_times.len(),
-            checks.len(),
-            if bad == 0 {
-                "every one equals the curve exactly".to_string()
-            } else {
-                format!("{bad} rows differ (see check.csv)")
-            }
-        ));
-    }
-    summary.push_str(
-        "\n## Files\n\n- `capacity.csv`/`.parquet`: class × capacity (blocks, bytes) → token and \
-         block hit rate, hit and counted tokens and blocks (counted = the sampled keys' totals).\n\
-         - `ttl.csv`/`.parquet`: the same against the TTL in seconds.\n\
-         - `sampling_error.csv`/`.parquet` (sampled runs with an unsampled pass): both rates on \
-         the same grid.\n- `check.csv`/`.parquet` (with --check): point replays vs the curve.\n\
-         - `capacity.svg`, `ttl.svg`: the curves, log x axis, a line per class.\n",
-    );
-    out.write_text("summary.md", &summary)?;
-    let config = serde_json::json!({
-        "trace": a.trace.display().to_string(),
-        "format": format!("{:?}", a.format).to_lowercase(),
-        "block_tokens": trace.block_tokens,
-        "sample_rate": a.sample_rate,
-        "sample_rate_used": sampler.rate(),
-        "exact_pass": exact.is_some(),
-        "check": a.check,
-        "cache_outputs": a.cache_outputs,
-        "bytes_per_token": a.bytes_per_token,
-        "class": class.name(),
-        "points_per_decade": a.points_per_decade,
-    });
-    // Sampling is a hash of the block key: nothing random, so the seed is 0.
-    out.write_manifest(&Manifest::new(
-        "mrc",
-        &a.trace,
-        &serde_json::to_string_pretty(&config)?,
-        0,
-    ))?;
 
-    let speed = Speed {
-        one_pass_s: exact.as_ref().map_or(f64::NAN, |x| x.1),
-        one_pass_requests_per_s: exact.as_ref().map_or(f64::NAN, |x| requests / x.1),
-        sampled_pass_s: sampled.as_ref().map(|x| x.1),
-        sampled_requests_per_s: sampled.as_ref().map(|x| requests / x.1),
-        point_replays: replay_times.len(),
-        point_replay_mean_s: (!replay_times.is_empty())
-            .then(|| replay_times.iter().sum::<f64>() / replay_times.len() as f64),
-        point_replay_requests_per_s: (!replay_times.is_empty())
-            .then(|| requests * replay_times.len() as f64 / replay_times.iter().sum::<f64>()),
-    };
-    let all_equal = checks.iter().all(|c| c.equal);
-    let json = {
-        let classes: Vec<_> = main
+    fn speed(&self) -> Speed {
+        let (exact, sampled) = (&self.passes.exact, &self.passes.sampled);
+        let requests = self.requests();
+        let replay_times = &self.replay_times;
+        Speed {
+            one_pass_s: exact.as_ref().map_or(f64::NAN, |x| x.1),
+            one_pass_requests_per_s: exact.as_ref().map_or(f64::NAN, |x| requests / x.1),
+            sampled_pass_s: sampled.as_ref().map(|x| x.1),
+            sampled_requests_per_s: sampled.as_ref().map(|x| requests / x.1),
+            point_replays: replay_times.len(),
+            point_replay_mean_s: (!replay_times.is_empty())
+                .then(|| replay_times.iter().sum::<f64>() / replay_times.len() as f64),
+            point_replay_requests_per_s: (!replay_times.is_empty())
+                .then(|| requests * replay_times.len() as f64 / replay_times.iter().sum::<f64>()),
+        }
+    }
+
+    /// The `--json` object.
+    fn json(&self, speed: &Speed) -> serde_json::Value {
+        let classes: Vec<_> = self
+            .passes
+            .main()
             .curves()
             .map(|c| {
                 let u = c.unbounded();
@@ -758,86 +930,91 @@ pub fn compute(a: &Args) -> Result<Outcome> {
             })
             .collect();
         serde_json::json!({
-            "trace": a.trace.display().to_string(),
-            "requests": trace.len(),
-            "block_tokens": trace.block_tokens,
-            "sample_rate": sampler.rate(),
-            "saturating_capacity_blocks": sat,
-            "max_reuse_s": max_reuse.as_secs_f64(),
+            "trace": self.a.trace.display().to_string(),
+            "requests": self.trace.len(),
+            "block_tokens": self.trace.block_tokens,
+            "sample_rate": self.sampler.rate(),
+            "saturating_capacity_blocks": self.grids.sat,
+            "max_reuse_s": self.grids.max_reuse.as_secs_f64(),
             "classes": classes,
-            "sampling_error": error_summary,
-            "checks": checks.len(),
-            "checks_equal": all_equal,
+            "sampling_error": self.error_summary,
+            "checks": self.checks.len(),
+            "checks_equal": self.all_equal(),
             "speed": speed,
-            "out": a.out.display().to_string(),
+            "out": self.a.out.display().to_string(),
         })
-    };
-    let mut text = String::new();
-    {
-        // One line of the text report.
-        macro_rules! say {
-            ($($t:tt)*) => {{
-                text.push_str(&format!($($t)*));
-                text.push('\n');
-            }};
-        }
-        say!(
+    }
+
+    /// The text report, a line per fact.
+    fn text(&self, speed: &Speed, out: &RunOutput) -> String {
+        let mut text = String::new();
+        let mut say = |line: String| {
+            text.push_str(&line);
+            text.push('\n');
+        };
+        let (g, requests) = (self.grids, self.requests());
+        say(format!(
             "trace        {} ({} requests, block {} tokens, sample rate {})",
-            a.trace.display(),
-            trace.len(),
-            trace.block_tokens,
-            sampler.rate()
-        );
-        for c in main.curves() {
+            self.a.trace.display(),
+            self.trace.len(),
+            self.trace.block_tokens,
+            self.sampler.rate()
+        ));
+        for c in self.passes.main().curves() {
             let u = c.unbounded();
-            say!(
+            say(format!(
                 "{:<12} unbounded: token hit {:.2}%, block hit {:.2}% ({} requests)",
                 c.name(),
                 100.0 * u.token_hit_rate,
                 100.0 * u.block_hit_rate,
                 c.requests
-            );
+            ));
         }
-        say!(
-            "saturates at {sat} blocks ({:.3} GB); longest reuse {:.1} s",
-            sat as f64 * block_bytes as f64 / 1e9,
-            max_reuse.as_secs_f64()
-        );
-        for e in error_summary.iter().filter(|e| e.class == "all") {
-            say!(
+        say(format!(
+            "saturates at {} blocks ({:.3} GB); longest reuse {:.1} s",
+            g.sat,
+            g.sat as f64 * self.block_bytes as f64 / 1e9,
+            g.max_reuse.as_secs_f64()
+        ));
+        for e in self.error_summary.iter().filter(|e| e.class == "all") {
+            say(format!(
                 "sampling err {:<8} max {:.3} pp, mean {:.3} pp (token); max {:.3} pp (block)",
                 e.curve,
                 100.0 * e.max_abs_token_error,
                 100.0 * e.mean_abs_token_error,
                 100.0 * e.max_abs_block_error
-            );
+            ));
         }
-        if let Some((_, s)) = &exact {
-            say!("one pass     {:.3} s, {:.0} requests/s", s, requests / s);
+        if let Some((_, s)) = &self.passes.exact {
+            say(format!(
+                "one pass     {:.3} s, {:.0} requests/s",
+                s,
+                requests / s
+            ));
         }
-        if let Some((_, s)) = &sampled {
-            say!("sampled pass {:.3} s, {:.0} requests/s", s, requests / s);
+        if let Some((_, s)) = &self.passes.sampled {
+            say(format!(
+                "sampled pass {:.3} s, {:.0} requests/s",
+                s,
+                requests / s
+            ));
         }
         if let (Some(m), Some(r)) = (speed.point_replay_mean_s, speed.point_replay_requests_per_s) {
-            say!(
+            say(format!(
                 "point replay {:.3} s each on average, {:.0} requests/s ({} replays: {})",
                 m,
                 r,
-                replay_times.len(),
-                if all_equal {
+                self.replay_times.len(),
+                if self.all_equal() {
                     "all equal to the curve"
                 } else {
                     "SOME DIFFER"
                 }
-            );
+            ));
         }
-        say!("wrote        {}", out.dir().display());
+        say(format!("wrote        {}", out.dir().display()));
+        text
     }
-    Ok(Outcome {
-        json,
-        text,
-        all_equal,
-    })
 }
 
 /// One plotted curve: (label, panel, log axis, points (x, token hit rate, block hit rate)).

@@ -112,25 +112,7 @@ pub fn replay(a: &Args) -> Result<Outcome> {
     if ttl == Some(Nanos::ZERO) {
         bail!("--ttl must be positive");
     }
-    let has_capacity = a.capacity_blocks.is_some() || a.capacity_bytes.is_some();
-    let policy = a.policy.unwrap_or(match (has_capacity, ttl.is_some()) {
-        (_, false) => StorePolicy::Lru,
-        (false, true) => StorePolicy::Ttl,
-        (true, true) => StorePolicy::LruTtl,
-    });
-    match policy {
-        StorePolicy::Lru if ttl.is_some() => bail!("--policy lru takes no --ttl (use lru-ttl)"),
-        StorePolicy::Ttl if has_capacity => {
-            bail!("--policy ttl has unbounded capacity: drop --capacity-* or use lru-ttl")
-        }
-        StorePolicy::Ttl | StorePolicy::LruTtl if ttl.is_none() => {
-            bail!("--policy {} needs --ttl", policy.name())
-        }
-        StorePolicy::LruTtl if !has_capacity => {
-            bail!("--policy lru-ttl needs --capacity-blocks or --capacity-bytes")
-        }
-        _ => {}
-    }
+    let policy = store_policy(a, ttl)?;
     let trace: Trace = crate::exp::trace_source::read(&a.trace, a.format, a.block_size, class)?;
     if let Some(t) = ttl {
         crate::exp::trace_source::print_warnings(crate::exp::trace_source::ttl_warnings(
@@ -139,16 +121,7 @@ pub fn replay(a: &Args) -> Result<Outcome> {
         ));
     }
     let block_bytes = u64::from(trace.block_tokens) * u64::from(a.bytes_per_token);
-    let capacity = match (a.capacity_blocks, a.capacity_bytes) {
-        (Some(b), _) => Some(
-            b.checked_mul(block_bytes)
-                .context("--capacity-blocks is too large")?,
-        ),
-        (None, c) => c,
-    };
-    if capacity == Some(0) {
-        bail!("the store capacity must be positive");
-    }
+    let capacity = capacity_bytes(a, block_bytes)?;
     let store = StoreConfig {
         capacity_bytes: capacity,
         ttl: ClassTtl::uniform(ttl),
@@ -168,6 +141,46 @@ pub fn replay(a: &Args) -> Result<Outcome> {
         ttl,
         cache_outputs: a.cache_outputs,
     })
+}
+
+/// `--policy`, or the one the capacity and TTL flags imply, checked against those flags.
+fn store_policy(a: &Args, ttl: Option<Nanos>) -> Result<StorePolicy> {
+    let has_capacity = a.capacity_blocks.is_some() || a.capacity_bytes.is_some();
+    let policy = a.policy.unwrap_or(match (has_capacity, ttl.is_some()) {
+        (_, false) => StorePolicy::Lru,
+        (false, true) => StorePolicy::Ttl,
+        (true, true) => StorePolicy::LruTtl,
+    });
+    match policy {
+        StorePolicy::Lru if ttl.is_some() => bail!("--policy lru takes no --ttl (use lru-ttl)"),
+        StorePolicy::Ttl if has_capacity => {
+            bail!("--policy ttl has unbounded capacity: drop --capacity-* or use lru-ttl")
+        }
+        StorePolicy::Ttl | StorePolicy::LruTtl if ttl.is_none() => {
+            bail!("--policy {} needs --ttl", policy.name())
+        }
+        StorePolicy::LruTtl if !has_capacity => {
+            bail!("--policy lru-ttl needs --capacity-blocks or --capacity-bytes")
+        }
+        _ => {}
+    }
+    Ok(policy)
+}
+
+/// The store capacity in bytes, from `--capacity-blocks` or `--capacity-bytes`; None when
+/// unbounded.
+fn capacity_bytes(a: &Args, block_bytes: u64) -> Result<Option<u64>> {
+    let capacity = match (a.capacity_blocks, a.capacity_bytes) {
+        (Some(b), _) => Some(
+            b.checked_mul(block_bytes)
+                .context("--capacity-blocks is too large")?,
+        ),
+        (None, c) => c,
+    };
+    if capacity == Some(0) {
+        bail!("the store capacity must be positive");
+    }
+    Ok(capacity)
 }
 
 pub fn run(a: Args) -> Result<()> {

@@ -46,6 +46,51 @@ struct DsparkConfig {
 pub fn run(ctx: &RunContext) -> Result<()> {
     let cfg: DsparkConfig = ctx.config.parse()?;
     let path = ctx.config.path.display().to_string();
+    validate(&cfg, &path)?;
+    let profile = HardwareProfile::resolve(&cfg.profile).map_err(|e| anyhow!("{path}: {e}"))?;
+    let seed = ctx.seed();
+    let results = run_points(ctx, &cfg, &profile, &path, seed)?;
+    let mut out = RunOutput::create(&ctx.out)?;
+    let df = write_table(&mut out, &cfg, &results)?;
+    let bars = |dynamic: bool| -> Vec<f64> {
+        results
+            .iter()
+            .skip(usize::from(dynamic))
+            .step_by(2)
+            .map(|r| r.tokens_per_s_per_rank)
+            .collect()
+    };
+    let cats: Vec<String> = cfg
+        .seqs_per_rank
+        .iter()
+        .map(|b| format!("{b} seq/rank"))
+        .collect();
+    let svg = out.path("throughput.svg");
+    crate::plot::grouped_bars(
+        &svg,
+        "DSpark: tokens/s per rank",
+        "tokens/s per rank",
+        &cats,
+        &[
+            ("fixed-5".to_string(), bars(false)),
+            ("dynamic".to_string(), bars(true)),
+        ],
+    )?;
+    let summary = summary_md(&cfg, &results, seed);
+    out.write_text("summary.md", &summary)?;
+    let keys = ["seqs_per_rank", "verification"];
+    out.write_summary_json(&crate::sweep::headline::from_frame(&df, &keys)?)?;
+    out.write_manifest(&Manifest::new(
+        "dspark",
+        &ctx.config.path,
+        &ctx.config.text,
+        seed,
+    ))?;
+    println!("{summary}");
+    Ok(())
+}
+
+fn validate(cfg: &DsparkConfig, path: &str) -> Result<()> {
     if cfg.seqs_per_rank.is_empty() {
         bail!("{path}: `seqs_per_rank` is empty");
     }
@@ -74,8 +119,18 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             );
         }
     }
-    let profile = HardwareProfile::resolve(&cfg.profile).map_err(|e| anyhow!("{path}: {e}"))?;
-    let seed = ctx.seed();
+    Ok(())
+}
+
+/// Runs every batch size with the fixed and the dynamic policy in parallel; the results come
+/// back in that order, fixed then dynamic for each batch size.
+fn run_points(
+    ctx: &RunContext,
+    cfg: &DsparkConfig,
+    profile: &HardwareProfile,
+    path: &str,
+    seed: u64,
+) -> Result<Vec<DsparkResult>> {
     let jobs: Vec<(usize, bool)> = (0..cfg.seqs_per_rank.len())
         .flat_map(|i| [(i, false), (i, true)])
         .collect();
@@ -88,22 +143,24 @@ pub fn run(ctx: &RunContext) -> Result<()> {
                 ..cfg.point.clone()
             };
             let pol = if dynamic { &cfg.dynamic } else { &cfg.fixed };
-            let r = run_point(&point, pol, &profile, &cfg.acceptance, seed)
+            let r = run_point(&point, pol, profile, &cfg.acceptance, seed)
                 .map_err(|e| anyhow!("{path}: {e}"));
             pb.inc(1);
             r
         })
         .collect();
     pb.finish_and_clear();
-    let results: Vec<DsparkResult> = results.into_iter().collect::<Result<_>>()?;
-    let p = &cfg.published;
-    let mut out = RunOutput::create(&ctx.out)?;
+    results.into_iter().collect::<Result<_>>()
+}
+
+/// Writes one row per batch size and policy, and returns the table.
+fn write_table(
+    out: &mut RunOutput,
+    cfg: &DsparkConfig,
+    results: &[DsparkResult],
+) -> Result<DataFrame> {
     let (mut b_col, mut mode, mut tput, mut acc, mut ver, mut step) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
-    let mut md = Vec::new();
-    let mut all_ok = true;
-    let mut bars_f = Vec::new();
-    let mut bars_d = Vec::new();
     for (i, &b) in cfg.seqs_per_rank.iter().enumerate() {
         let (f, d) = (&results[2 * i], &results[2 * i + 1]);
         for (name, r) in [("fixed-5", f), ("dynamic", d)] {
@@ -114,41 +171,6 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             ver.push(r.verified_per_step);
             step.push(r.mean_step_ms);
         }
-        bars_f.push(f.tokens_per_s_per_rank);
-        bars_d.push(d.tokens_per_s_per_rank);
-        let change = 100.0 * (d.tokens_per_s_per_rank / f.tokens_per_s_per_rank - 1.0);
-        let want = p.throughput_change_pct[i];
-        let ok_t = (change - want).abs() <= p.throughput_tolerance_pp;
-        let ok_v = (p.verified_min..=p.verified_max).contains(&d.verified_per_step);
-        let ok_af = (f.accepted_length - p.accepted_fixed).abs() <= p.accepted_tolerance;
-        let ok_ad = (d.accepted_length - p.accepted_dynamic).abs() <= p.accepted_tolerance;
-        all_ok &= ok_t && ok_v && ok_af && ok_ad;
-        let mark = |ok: bool| if ok { "" } else { " ✗" };
-        md.push(vec![
-            b.to_string(),
-            format!("{:.0}", f.tokens_per_s_per_rank),
-            format!("{:.0}", d.tokens_per_s_per_rank),
-            format!("{change:+.1}% ({want:+.1}%){}", mark(ok_t)),
-            format!(
-                "{:.2} ({:.1}–{:.1}){}",
-                d.verified_per_step,
-                p.verified_min,
-                p.verified_max,
-                mark(ok_v)
-            ),
-            format!(
-                "{:.2} ({:.2}){}",
-                f.accepted_length,
-                p.accepted_fixed,
-                mark(ok_af)
-            ),
-            format!(
-                "{:.2} ({:.2}){}",
-                d.accepted_length,
-                p.accepted_dynamic,
-                mark(ok_ad)
-            ),
-        ]);
     }
     let mut df = df!(
         "seqs_per_rank" => b_col,
@@ -159,22 +181,18 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         "mean_step_ms" => step,
     )?;
     out.write_table("dspark", &mut df)?;
-    let cats: Vec<String> = cfg
-        .seqs_per_rank
-        .iter()
-        .map(|b| format!("{b} seq/rank"))
-        .collect();
-    let svg = out.path("throughput.svg");
-    crate::plot::grouped_bars(
-        &svg,
-        "DSpark: tokens/s per rank",
-        "tokens/s per rank",
-        &cats,
-        &[
-            ("fixed-5".to_string(), bars_f),
-            ("dynamic".to_string(), bars_d),
-        ],
-    )?;
+    Ok(df)
+}
+
+/// The summary: each batch size against SPEC §10, targets out of tolerance marked.
+fn summary_md(cfg: &DsparkConfig, results: &[DsparkResult], seed: u64) -> String {
+    let mut md = Vec::new();
+    let mut all_ok = true;
+    for (i, &b) in cfg.seqs_per_rank.iter().enumerate() {
+        let (row, ok) = compare_row(&cfg.published, i, b, &results[2 * i], &results[2 * i + 1]);
+        all_ok &= ok;
+        md.push(row);
+    }
     let table = markdown_table(
         &[
             "seq/rank",
@@ -192,19 +210,52 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     } else {
         "targets marked ✗ are outside tolerance"
     };
-    let summary = format!(
+    format!(
         "# DSpark: dynamic vs fixed-5 verification\n\nProfile `{}`, {} ranks, closed loop, seed {seed}. Published values in parentheses (SPEC §10). {verdict}.\n\n{table}",
         cfg.profile, cfg.point.ranks
-    );
-    out.write_text("summary.md", &summary)?;
-    let keys = ["seqs_per_rank", "verification"];
-    out.write_summary_json(&crate::sweep::headline::from_frame(&df, &keys)?)?;
-    out.write_manifest(&Manifest::new(
-        "dspark",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
-    println!("{summary}");
-    Ok(())
+    )
+}
+
+/// One batch size (`i`-th, `b` sequences per rank) with the fixed (`f`) and dynamic (`d`)
+/// results against the published values: the markdown row and whether every target is met.
+fn compare_row(
+    p: &Published,
+    i: usize,
+    b: u32,
+    f: &DsparkResult,
+    d: &DsparkResult,
+) -> (Vec<String>, bool) {
+    let change = 100.0 * (d.tokens_per_s_per_rank / f.tokens_per_s_per_rank - 1.0);
+    let want = p.throughput_change_pct[i];
+    let ok_t = (change - want).abs() <= p.throughput_tolerance_pp;
+    let ok_v = (p.verified_min..=p.verified_max).contains(&d.verified_per_step);
+    let ok_af = (f.accepted_length - p.accepted_fixed).abs() <= p.accepted_tolerance;
+    let ok_ad = (d.accepted_length - p.accepted_dynamic).abs() <= p.accepted_tolerance;
+    let mark = |ok: bool| if ok { "" } else { " ✗" };
+    let row = vec![
+        b.to_string(),
+        format!("{:.0}", f.tokens_per_s_per_rank),
+        format!("{:.0}", d.tokens_per_s_per_rank),
+        format!("{change:+.1}% ({want:+.1}%){}", mark(ok_t)),
+        format!(
+            "{:.2} ({:.1}–{:.1}){}",
+            d.verified_per_step,
+            p.verified_min,
+            p.verified_max,
+            mark(ok_v)
+        ),
+        format!(
+            "{:.2} ({:.2}){}",
+            f.accepted_length,
+            p.accepted_fixed,
+            mark(ok_af)
+        ),
+        format!(
+            "{:.2} ({:.2}){}",
+            d.accepted_length,
+            p.accepted_dynamic,
+            mark(ok_ad)
+        ),
+    ];
+    (row, ok_t && ok_v && ok_af && ok_ad)
 }

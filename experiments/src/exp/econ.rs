@@ -271,7 +271,7 @@ fn utilisation_plot(path: &std::path::Path, curves: &[Curve]) -> Result<()> {
 }
 
 fn summary(ctx: &RunContext, cfg: &EconSweepConfig, curves: &[Curve]) -> String {
-    use crate::cmd::econ::{int, pct, tokens, usd};
+    use crate::cmd::econ::{int, pct, tokens};
     let p = cfg.econ.params(0.0);
     let name = cfg
         .experiment
@@ -302,37 +302,7 @@ fn summary(ctx: &RunContext, cfg: &EconSweepConfig, curves: &[Curve]) -> String 
         ctx.config.path.display(),
     );
     s += "## Crossings per decode operating point\n\n";
-    let rows: Vec<Vec<String>> = curves
-        .iter()
-        .map(|c| {
-            let x = &c.crossings;
-            vec![
-                int(c.decode_tps),
-                pct(x.max_output_share),
-                x.break_even_output_share.map_or("never".to_string(), pct),
-                pct(x.feasible_up_to_output_share),
-                pct(c.at_limit.hit_rate),
-                int(c.at_limit.gpus_needed),
-                usd(c.at_limit.revenue_per_day),
-                format!("{:.1}", c.at_limit.storage_pib),
-                pct(x.storage_limit_output_share),
-            ]
-        })
-        .collect();
-    s += &markdown_table(
-        &[
-            "decode tok/s/GPU",
-            "1:1 pools up to",
-            "break-even output share",
-            "feasible up to",
-            "hit rate there",
-            "GPUs needed there",
-            "revenue/day there",
-            "storage PiB there",
-            "storage = store at",
-        ],
-        &rows,
-    );
+    s += &crossings_md(curves);
     let band = &curves[0].rows[0];
     s += &format!(
         "\nStore band: {} GPUs (physical: store ÷ {} EC ÷ {} TB) to {} GPUs (logical: store ÷ {} TB).\n\n",
@@ -350,6 +320,43 @@ fn summary(ctx: &RunContext, cfg: &EconSweepConfig, curves: &[Curve]) -> String 
           `crossings.csv`/`.parquet`, `crossing.svg` (the crossing chart; `crossing_zoom.svg` over low \
           output shares when `sweep.zoom_stop` is set), `utilisation.svg`.\n";
     s
+}
+
+/// One row per decode operating point: where its 1:1 pool line crosses each limit, and the
+/// fleet at the feasibility limit.
+fn crossings_md(curves: &[Curve]) -> String {
+    use crate::cmd::econ::{int, pct, usd};
+    let rows: Vec<Vec<String>> = curves
+        .iter()
+        .map(|c| {
+            let x = &c.crossings;
+            vec![
+                int(c.decode_tps),
+                pct(x.max_output_share),
+                x.break_even_output_share.map_or("never".to_string(), pct),
+                pct(x.feasible_up_to_output_share),
+                pct(c.at_limit.hit_rate),
+                int(c.at_limit.gpus_needed),
+                usd(c.at_limit.revenue_per_day),
+                format!("{:.1}", c.at_limit.storage_pib),
+                pct(x.storage_limit_output_share),
+            ]
+        })
+        .collect();
+    markdown_table(
+        &[
+            "decode tok/s/GPU",
+            "1:1 pools up to",
+            "break-even output share",
+            "feasible up to",
+            "hit rate there",
+            "GPUs needed there",
+            "revenue/day there",
+            "storage PiB there",
+            "storage = store at",
+        ],
+        &rows,
+    )
 }
 
 pub fn run(ctx: &RunContext) -> Result<()> {

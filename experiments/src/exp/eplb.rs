@@ -176,6 +176,44 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 pub fn run(ctx: &RunContext) -> Result<()> {
     let cfg: EplbConfig = ctx.config.parse()?;
     let path = ctx.config.path.display().to_string();
+    validate(&cfg, &path)?;
+    let seed = ctx.seed();
+    let traces = simulate(ctx, &cfg, &path, seed)?;
+
+    let mut out = RunOutput::create(&ctx.out)?;
+    let series = write_time_series(&mut out, &cfg, &traces)?;
+    let (rows_md, rows) = summary_rows(&cfg, &traces);
+    let summary_df = write_summary_table(&mut out, &rows)?;
+    plot_scenarios(&mut out, &cfg, &series)?;
+    plot_against_spec(&mut out, &cfg, &series)?;
+
+    let header = [
+        "scenario",
+        "policy",
+        "slots/GPU",
+        "mean imbalance",
+        "SPEC §9",
+        "p99",
+        "reassignments",
+        "per reassignment",
+    ];
+    let table = markdown_table(&header, &rows_md);
+    out.write_text("summary.md", &summary_md(&cfg, &path, seed, &table))?;
+    let keys = ["scenario", "policy"];
+    out.write_summary_json(&crate::sweep::headline::from_frame(&summary_df, &keys)?)?;
+    out.write_manifest(&Manifest::new(
+        "eplb",
+        &ctx.config.path,
+        &ctx.config.text,
+        seed,
+    ))?;
+    println!("{table}");
+    println!("wrote {}", ctx.out.display());
+    Ok(())
+}
+
+/// Checks the model, the skews and every scenario before anything runs.
+fn validate(cfg: &EplbConfig, path: &str) -> Result<()> {
     cfg.model.validate().map_err(|e| anyhow!("{path}: {e}"))?;
     cfg.skew
         .prefill
@@ -192,49 +230,58 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         bail!("{path}: invalid `bin_steps`: must be at least 1");
     }
     for s in &cfg.scenario {
-        if s.policy.is_empty() {
-            bail!("{path}: scenario `{}` has no [[scenario.policy]]", s.name);
-        }
-        if s.warmup_steps >= s.steps {
-            bail!(
-                "{path}: scenario `{}`: invalid `warmup_steps`: {} leaves none of its {} steps",
-                s.name,
-                s.warmup_steps,
-                s.steps
-            );
-        }
-        if s.step_time == Nanos::ZERO {
-            bail!(
-                "{path}: scenario `{}`: invalid `step_time`: must be positive",
-                s.name
-            );
-        }
-        // One imbalance per step and policy is kept for the series and the quantiles.
-        let cells = u128::from(s.steps) * s.policy.len() as u128;
-        if cells > u128::from(MAX_STEP_CELLS) {
-            bail!(
-                "{path}: scenario `{}`: invalid `steps`: {} steps × {} policies is more than the \
-                 {MAX_STEP_CELLS} step records a run keeps",
-                s.name,
-                s.steps,
-                s.policy.len()
-            );
-        }
-        if u128::from(s.steps) * u128::from(s.step_time.0) > u128::from(Nanos::HORIZON.0) {
-            bail!(
-                "{path}: scenario `{}`: invalid `steps`: {} steps of {} run past the horizon of \
-                 146 years",
-                s.name,
-                s.steps,
-                s.step_time
-            );
-        }
-        for p in &s.policy {
-            s.ep.validate(&cfg.model, &p.placement)
-                .map_err(|e| anyhow!("{path}: scenario `{}`, policy `{}`: {e}", s.name, p.label))?;
-        }
+        validate_scenario(cfg, s, path)?;
     }
-    let seed = ctx.seed();
+    Ok(())
+}
+
+fn validate_scenario(cfg: &EplbConfig, s: &Scenario, path: &str) -> Result<()> {
+    if s.policy.is_empty() {
+        bail!("{path}: scenario `{}` has no [[scenario.policy]]", s.name);
+    }
+    if s.warmup_steps >= s.steps {
+        bail!(
+            "{path}: scenario `{}`: invalid `warmup_steps`: {} leaves none of its {} steps",
+            s.name,
+            s.warmup_steps,
+            s.steps
+        );
+    }
+    if s.step_time == Nanos::ZERO {
+        bail!(
+            "{path}: scenario `{}`: invalid `step_time`: must be positive",
+            s.name
+        );
+    }
+    // One imbalance per step and policy is kept for the series and the quantiles.
+    let cells = u128::from(s.steps) * s.policy.len() as u128;
+    if cells > u128::from(MAX_STEP_CELLS) {
+        bail!(
+            "{path}: scenario `{}`: invalid `steps`: {} steps × {} policies is more than the \
+             {MAX_STEP_CELLS} step records a run keeps",
+            s.name,
+            s.steps,
+            s.policy.len()
+        );
+    }
+    if u128::from(s.steps) * u128::from(s.step_time.0) > u128::from(Nanos::HORIZON.0) {
+        bail!(
+            "{path}: scenario `{}`: invalid `steps`: {} steps of {} run past the horizon of \
+             146 years",
+            s.name,
+            s.steps,
+            s.step_time
+        );
+    }
+    for p in &s.policy {
+        s.ep.validate(&cfg.model, &p.placement)
+            .map_err(|e| anyhow!("{path}: scenario `{}`, policy `{}`: {e}", s.name, p.label))?;
+    }
+    Ok(())
+}
+
+/// Runs the scenarios in parallel: one trace per scenario and policy, in config order.
+fn simulate(ctx: &RunContext, cfg: &EplbConfig, path: &str, seed: u64) -> Result<Vec<Vec<Trace>>> {
     let pb = progress(ctx, cfg.scenario.iter().map(|s| s.steps).sum(), "steps");
     let results: Vec<Result<Vec<Trace>>> = cfg
         .scenario
@@ -249,11 +296,18 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         })
         .collect();
     pb.finish_and_clear();
-    let traces: Vec<Vec<Trace>> = results.into_iter().collect::<Result<_>>()?;
+    results.into_iter().collect::<Result<_>>()
+}
 
-    let mut out = RunOutput::create(&ctx.out)?;
+/// Binned points, `[scenario][policy]` in config order.
+type Series = Vec<Vec<Vec<(f64, f64)>>>;
 
-    // Time series: one row per scenario × policy × bin.
+/// Writes the time series, one row per scenario × policy × bin, and returns its points.
+fn write_time_series(
+    out: &mut RunOutput,
+    cfg: &EplbConfig,
+    traces: &[Vec<Trace>],
+) -> Result<Series> {
     let (mut c_scn, mut c_pol, mut c_step, mut c_time, mut c_imb, mut c_re) = (
         Vec::new(),
         Vec::new(),
@@ -262,9 +316,8 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         Vec::new(),
         Vec::new(),
     );
-    // Binned points, `[scenario][policy]` in config order.
-    let mut series: Vec<Vec<Vec<(f64, f64)>>> = Vec::new();
-    for (s, ts) in cfg.scenario.iter().zip(&traces) {
+    let mut series: Series = Vec::new();
+    for (s, ts) in cfg.scenario.iter().zip(traces) {
         let mut per_policy = Vec::new();
         for (p, t) in s.policy.iter().zip(ts) {
             let mut pts = Vec::new();
@@ -299,86 +352,101 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         "reassignments" => c_re,
     )?;
     out.write_table("imbalance_over_time", &mut ts_df)?;
+    Ok(series)
+}
 
-    // Summary: one row per scenario × policy, statistics after the warm-up.
+/// The summary, one row per scenario × policy with statistics after the warm-up: the markdown
+/// rows and the table rows.
+fn summary_rows(cfg: &EplbConfig, traces: &[Vec<Trace>]) -> (Vec<Vec<String>>, Vec<SummaryRow>) {
     let mut rows_md = Vec::new();
     let mut rows: Vec<SummaryRow> = Vec::new();
-    for (s, ts) in cfg.scenario.iter().zip(&traces) {
+    for (s, ts) in cfg.scenario.iter().zip(traces) {
         for (p, t) in s.policy.iter().zip(ts) {
-            let kept = &t.imbalance[s.warmup_steps as usize..];
-            let mean = kept.iter().sum::<f64>() / kept.len() as f64;
-            let mut sorted = kept.to_vec();
-            sorted.sort_by(f64::total_cmp);
-            let (p50, p99, max) = (
-                quantile(&sorted, 0.5),
-                quantile(&sorted, 0.99),
-                quantile(&sorted, 1.0),
-            );
-            let n_re = t.reassign_steps.len() as u64;
-            let mean_cost_ms = if n_re > 0 {
-                t.cost_total.as_millis_f64() / n_re as f64
-            } else {
-                0.0
-            };
-            let gb = t.bytes_moved as f64 / 1e9;
+            let row = summary_row(s, p, t);
+            let n_re = row.reassignments;
             rows_md.push(vec![
                 s.name.clone(),
                 p.label.clone(),
                 t.slots_per_gpu.to_string(),
-                format!("{mean:.3}"),
+                format!("{:.3}", row.mean),
                 p.spec_imbalance.map_or("–".into(), |x| format!("{x:.3}")),
-                format!("{p99:.3}"),
+                format!("{:.3}", row.p99),
                 n_re.to_string(),
                 if n_re > 0 {
-                    format!("{:.1} GB / {:.0} ms", gb / n_re as f64, mean_cost_ms)
+                    format!(
+                        "{:.1} GB / {:.0} ms",
+                        row.bytes_moved_gb / n_re as f64,
+                        row.mean_cost_ms
+                    )
                 } else {
                     "–".into()
                 },
             ]);
-            rows.push(SummaryRow {
-                scenario: s.name.clone(),
-                phase: s.phase.name(),
-                policy: p.label.clone(),
-                gpus: s.ep.gpus as u64,
-                slots_per_gpu: t.slots_per_gpu as u64,
-                placement: p.placement.name(),
-                mean,
-                p50,
-                p99,
-                max,
-                spec: p.spec_imbalance,
-                reassignments: n_re,
-                bytes_moved_gb: gb,
-                mean_cost_ms,
-                max_cost_ms: t.cost_max.as_millis_f64(),
-            });
+            rows.push(row);
         }
     }
+    (rows_md, rows)
+}
+
+fn summary_row(s: &Scenario, p: &PolicyRun, t: &Trace) -> SummaryRow {
+    let kept = &t.imbalance[s.warmup_steps as usize..];
+    let mean = kept.iter().sum::<f64>() / kept.len() as f64;
+    let mut sorted = kept.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n_re = t.reassign_steps.len() as u64;
+    let mean_cost_ms = if n_re > 0 {
+        t.cost_total.as_millis_f64() / n_re as f64
+    } else {
+        0.0
+    };
+    SummaryRow {
+        scenario: s.name.clone(),
+        phase: s.phase.name(),
+        policy: p.label.clone(),
+        gpus: s.ep.gpus as u64,
+        slots_per_gpu: t.slots_per_gpu as u64,
+        placement: p.placement.name(),
+        mean,
+        p50: quantile(&sorted, 0.5),
+        p99: quantile(&sorted, 0.99),
+        max: quantile(&sorted, 1.0),
+        spec: p.spec_imbalance,
+        reassignments: n_re,
+        bytes_moved_gb: t.bytes_moved as f64 / 1e9,
+        mean_cost_ms,
+        max_cost_ms: t.cost_max.as_millis_f64(),
+    }
+}
+
+/// Writes the summary table and returns it (the headline JSON is read from it).
+fn write_summary_table(out: &mut RunOutput, rows: &[SummaryRow]) -> Result<DataFrame> {
     fn col<T>(rows: &[SummaryRow], f: impl Fn(&SummaryRow) -> T) -> Vec<T> {
         rows.iter().map(f).collect()
     }
     let mut summary_df = df!(
-        "scenario" => col(&rows, |r| r.scenario.clone()),
-        "phase" => col(&rows, |r| r.phase),
-        "policy" => col(&rows, |r| r.policy.clone()),
-        "gpus" => col(&rows, |r| r.gpus),
-        "slots_per_gpu" => col(&rows, |r| r.slots_per_gpu),
-        "placement" => col(&rows, |r| r.placement),
-        "mean_imbalance" => col(&rows, |r| r.mean),
-        "p50_imbalance" => col(&rows, |r| r.p50),
-        "p99_imbalance" => col(&rows, |r| r.p99),
-        "max_imbalance" => col(&rows, |r| r.max),
-        "spec_imbalance" => col(&rows, |r| r.spec),
-        "reassignments" => col(&rows, |r| r.reassignments),
-        "bytes_moved_gb" => col(&rows, |r| r.bytes_moved_gb),
-        "mean_reassignment_ms" => col(&rows, |r| r.mean_cost_ms),
-        "max_reassignment_ms" => col(&rows, |r| r.max_cost_ms),
+        "scenario" => col(rows, |r| r.scenario.clone()),
+        "phase" => col(rows, |r| r.phase),
+        "policy" => col(rows, |r| r.policy.clone()),
+        "gpus" => col(rows, |r| r.gpus),
+        "slots_per_gpu" => col(rows, |r| r.slots_per_gpu),
+        "placement" => col(rows, |r| r.placement),
+        "mean_imbalance" => col(rows, |r| r.mean),
+        "p50_imbalance" => col(rows, |r| r.p50),
+        "p99_imbalance" => col(rows, |r| r.p99),
+        "max_imbalance" => col(rows, |r| r.max),
+        "spec_imbalance" => col(rows, |r| r.spec),
+        "reassignments" => col(rows, |r| r.reassignments),
+        "bytes_moved_gb" => col(rows, |r| r.bytes_moved_gb),
+        "mean_reassignment_ms" => col(rows, |r| r.mean_cost_ms),
+        "max_reassignment_ms" => col(rows, |r| r.max_cost_ms),
     )?;
     out.write_table("summary", &mut summary_df)?;
+    Ok(summary_df)
+}
 
-    // One plot per scenario (policies differ by up to several ×), and one of the rows compared
-    // with SPEC §9 together.
-    for (s, per_policy) in cfg.scenario.iter().zip(&series) {
+/// One plot per scenario: policies differ by up to several ×, so each gets its own axes.
+fn plot_scenarios(out: &mut RunOutput, cfg: &EplbConfig, series: &Series) -> Result<()> {
+    for (s, per_policy) in cfg.scenario.iter().zip(series) {
         let lines: Vec<(String, Vec<(f64, f64)>)> = s
             .policy
             .iter()
@@ -397,10 +465,14 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             &lines,
         )?;
     }
-    // After each scenario's warm-up (the uniform initial placement would dwarf the rest), with
-    // the published figure as a flat line beside each row.
+    Ok(())
+}
+
+/// The rows compared with SPEC §9 together, after each scenario's warm-up (the uniform initial
+/// placement would dwarf the rest), with the published figure as a flat line beside each row.
+fn plot_against_spec(out: &mut RunOutput, cfg: &EplbConfig, series: &Series) -> Result<()> {
     let mut compared: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-    for (s, per_policy) in cfg.scenario.iter().zip(&series) {
+    for (s, per_policy) in cfg.scenario.iter().zip(series) {
         let warm_s = Nanos(s.warmup_steps.saturating_mul(s.step_time.0)).as_secs_f64();
         for (p, pts) in s.policy.iter().zip(per_policy) {
             let Some(spec) = p.spec_imbalance else {
@@ -425,18 +497,10 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             &compared,
         )?;
     }
+    Ok(())
+}
 
-    let header = [
-        "scenario",
-        "policy",
-        "slots/GPU",
-        "mean imbalance",
-        "SPEC §9",
-        "p99",
-        "reassignments",
-        "per reassignment",
-    ];
-    let table = markdown_table(&header, &rows_md);
+fn summary_md(cfg: &EplbConfig, path: &str, seed: u64, table: &str) -> String {
     let m = &cfg.model;
     let mut summary = format!(
         "# Expert-parallel load balancing (SPEC §9)\n\nConfig `{path}`, seed {seed}. Model: {} MoE layers × {} routed \
@@ -453,16 +517,5 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         summary.push_str(&format!("\n## Why these parameters\n\n{}\n", d.trim()));
     }
     summary.push_str("\n## Files\n\n- `summary.csv`/`.parquet`: the table above with p50/max.\n- `imbalance_over_time.csv`/`.parquet`: binned imbalance per scenario and policy.\n- `imbalance_<scenario>.svg`: the same per scenario; `imbalance_vs_spec.svg`: the rows with a SPEC §9 figure.\n");
-    out.write_text("summary.md", &summary)?;
-    let keys = ["scenario", "policy"];
-    out.write_summary_json(&crate::sweep::headline::from_frame(&summary_df, &keys)?)?;
-    out.write_manifest(&Manifest::new(
-        "eplb",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
-    println!("{table}");
-    println!("wrote {}", ctx.out.display());
-    Ok(())
+    summary
 }

@@ -327,7 +327,43 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     };
 
     let mut out = RunOutput::create(&ctx.out)?;
-    let ms = |v: f64| v / 1e6;
+    write_candidates_table(&mut out, &cands)?;
+    let front = frontier(&cands);
+    let mut fdf = df!(
+        "prefill_gpus" => front.iter().map(|f| f.0).collect::<Vec<_>>(),
+        "min_decode_gpus" => front.iter().map(|f| f.1).collect::<Vec<_>>(),
+    )?;
+    out.write_table("frontier", &mut fdf)?;
+    if let Some(s) = &stores {
+        let mut sdf = df!(
+            "capacity_tb" => s.iter().map(|r| r.0).collect::<Vec<_>>(),
+            "hit_rate" => s.iter().map(|r| r.1).collect::<Vec<_>>(),
+            "meets_target" => s.iter().map(|r| r.2).collect::<Vec<_>>(),
+        )?;
+        out.write_table("store", &mut sdf)?;
+    }
+    plot_ttft_p99(&mut out, &cfg, &cands)?;
+    plot_frontier(&mut out, &front)?;
+
+    let summary = summary_md(&cfg, &path, seed, &trace, &cands, stores.as_deref())?;
+    out.write_text("summary.md", &summary)?;
+    out.write_summary_json(&crate::sweep::headline::plan(&cands, best(&cands)))?;
+    out.write_manifest(&Manifest::new(
+        "plan",
+        &ctx.config.path,
+        &ctx.config.text,
+        seed,
+    ))?;
+    println!("{summary}");
+    Ok(())
+}
+
+/// Nanoseconds to milliseconds.
+fn ms(v: f64) -> f64 {
+    v / 1e6
+}
+
+fn write_candidates_table(out: &mut RunOutput, cands: &[Candidate]) -> Result<()> {
     let mut df = df!(
         "prefill_gpus" => cands.iter().map(|c| c.prefill_gpus).collect::<Vec<_>>(),
         "decode_gpus" => cands.iter().map(|c| c.decode_gpus).collect::<Vec<_>>(),
@@ -343,23 +379,11 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         "decode_busy_fraction" => cands.iter().map(|c| c.report.decode_busy_fraction).collect::<Vec<_>>(),
         "decode_seqs_per_rank" => cands.iter().map(|c| c.report.decode_seqs_per_rank).collect::<Vec<_>>(),
     )?;
-    out.write_table("candidates", &mut df)?;
-    let front = frontier(&cands);
-    let mut fdf = df!(
-        "prefill_gpus" => front.iter().map(|f| f.0).collect::<Vec<_>>(),
-        "min_decode_gpus" => front.iter().map(|f| f.1).collect::<Vec<_>>(),
-    )?;
-    out.write_table("frontier", &mut fdf)?;
-    if let Some(s) = &stores {
-        let mut sdf = df!(
-            "capacity_tb" => s.iter().map(|r| r.0).collect::<Vec<_>>(),
-            "hit_rate" => s.iter().map(|r| r.1).collect::<Vec<_>>(),
-            "meets_target" => s.iter().map(|r| r.2).collect::<Vec<_>>(),
-        )?;
-        out.write_table("store", &mut sdf)?;
-    }
+    out.write_table("candidates", &mut df)
+}
 
-    // TTFT P99 against prefill GPUs, one line per decode size, with the SLO as a line.
+/// TTFT P99 against prefill GPUs, one line per decode size, with the SLO as a line.
+fn plot_ttft_p99(out: &mut RunOutput, cfg: &PlanConfig, cands: &[Candidate]) -> Result<()> {
     let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     let mut decode_sizes: Vec<u32> = cands.iter().map(|c| c.decode_gpus).collect();
     decode_sizes.sort();
@@ -402,24 +426,80 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         "prefill GPUs",
         "TTFT P99 (ms)",
         &series,
-    )?;
-    if !front.is_empty() {
-        let p = out.path("frontier.svg");
-        plot::lines(
-            &p,
-            "Fewest decode GPUs meeting the SLOs",
-            "prefill GPUs",
-            "decode GPUs",
-            &[(
-                "frontier".into(),
-                front
-                    .iter()
-                    .map(|&(p, d)| (f64::from(p), f64::from(d)))
-                    .collect(),
-            )],
-        )?;
-    }
+    )
+}
 
+/// The fewest decode GPUs meeting the SLOs per prefill size, when any candidate does.
+fn plot_frontier(out: &mut RunOutput, front: &[(u32, u32)]) -> Result<()> {
+    if front.is_empty() {
+        return Ok(());
+    }
+    let p = out.path("frontier.svg");
+    plot::lines(
+        &p,
+        "Fewest decode GPUs meeting the SLOs",
+        "prefill GPUs",
+        "decode GPUs",
+        &[(
+            "frontier".into(),
+            front
+                .iter()
+                .map(|&(p, d)| (f64::from(p), f64::from(d)))
+                .collect(),
+        )],
+    )
+}
+
+/// The summary: traffic and SLOs, every candidate, the pick with its economics cross-check,
+/// and the store size where one was searched.
+fn summary_md(
+    cfg: &PlanConfig,
+    path: &str,
+    seed: u64,
+    trace: &Trace,
+    cands: &[Candidate],
+    stores: Option<&[(f64, f64, bool)]>,
+) -> Result<String> {
+    let mut summary = format!(
+        "# Capacity plan\n\nConfig `{path}`, seed {seed}. {} requests at the daily peak{}. SLOs: TTFT mean ≤ {}, TTFT P99 ≤ {}, TPOT ≤ {}, rejected ≤ {:.2}%.\n\n",
+        trace.len(),
+        cfg.workload
+            .diurnal
+            .as_ref()
+            .map(|d| format!(
+                " (rates × {:.2} for diurnal amplitude {})",
+                1.0 + d.amplitude,
+                d.amplitude
+            ))
+            .unwrap_or_default(),
+        cfg.slo.ttft_mean,
+        cfg.slo.ttft_p99,
+        cfg.slo.tpot_mean,
+        100.0 * cfg.slo.max_rejected_share
+    );
+    summary.push_str(&candidates_md(cands));
+    match best(cands) {
+        Some(b) => summary.push_str(&best_md(b, trace)?),
+        None => summary.push_str("\n**No candidate meets the SLOs**: widen `search`.\n"),
+    }
+    if let Some(d) = &cfg.experiment.description {
+        summary.push_str(&format!("\n## Traffic and SLOs\n\n{}\n", d.trim()));
+    }
+    if let (Some(st), Some(s)) = (&cfg.store_search, stores) {
+        let pick = s.iter().find(|r| r.2);
+        summary.push_str(&format!(
+            "\nStore for a {:.1}% hit rate (DeepInfer rules, trace-level replay): {}\n",
+            100.0 * st.target_hit_rate,
+            match pick {
+                Some(r) => format!("{} TB logical ({:.2}% measured).", r.0, 100.0 * r.1),
+                None => "none of the listed capacities reaches it.".into(),
+            }
+        ));
+    }
+    Ok(summary)
+}
+
+fn candidates_md(cands: &[Candidate]) -> String {
     let rows: Vec<Vec<String>> = cands
         .iter()
         .map(|c| {
@@ -438,24 +518,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             ]
         })
         .collect();
-    let mut summary = format!(
-        "# Capacity plan\n\nConfig `{path}`, seed {seed}. {} requests at the daily peak{}. SLOs: TTFT mean ≤ {}, TTFT P99 ≤ {}, TPOT ≤ {}, rejected ≤ {:.2}%.\n\n",
-        trace.len(),
-        cfg.workload
-            .diurnal
-            .as_ref()
-            .map(|d| format!(
-                " (rates × {:.2} for diurnal amplitude {})",
-                1.0 + d.amplitude,
-                d.amplitude
-            ))
-            .unwrap_or_default(),
-        cfg.slo.ttft_mean,
-        cfg.slo.ttft_p99,
-        cfg.slo.tpot_mean,
-        100.0 * cfg.slo.max_rejected_share
-    );
-    summary.push_str(&markdown_table(
+    markdown_table(
         &[
             "prefill GPUs",
             "decode GPUs",
@@ -466,57 +529,33 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             "meets SLOs",
         ],
         &rows,
+    )
+}
+
+/// The cheapest feasible candidate and the economics model's GPU counts for the same load.
+fn best_md(b: &Candidate, trace: &Trace) -> Result<String> {
+    let mut s = format!(
+        "\n**Fewest GPUs meeting the SLOs: {} prefill + {} decode = {}.**\n",
+        b.prefill_gpus,
+        b.decode_gpus,
+        b.gpus()
+    );
+    let e = econ_check(b, trace)?;
+    let ratio = |model: f64, planned: u32| model / f64::from(planned).max(1e-12);
+    s.push_str(&format!(
+        "\nEconomics cross-check (throughput only, SPEC §11 rates × {:.0}% efficiency, the trace's offered load of {:.0} input and {:.0} output tok/s, the simulated {:.2}% hit rate): {:.1} prefill + {:.1} decode GPUs, against the planner's {} + {} ({:.2}× and {:.2}×). Where the model needs fewer GPUs than the planner, the SLOs (queueing, tail latency) set the size; where it needs more, the simulated unit runs faster per GPU than the published operating point.\n",
+        100.0 * servelab_core::econ::defaults::EFFICIENCY,
+        e.input_tokens_per_s,
+        e.output_tokens_per_s,
+        100.0 * e.sim_hit_rate,
+        e.econ_prefill_gpus,
+        e.econ_decode_gpus,
+        b.prefill_gpus,
+        b.decode_gpus,
+        ratio(e.econ_prefill_gpus, b.prefill_gpus),
+        ratio(e.econ_decode_gpus, b.decode_gpus),
     ));
-    match best(&cands) {
-        Some(b) => {
-            summary.push_str(&format!(
-                "\n**Fewest GPUs meeting the SLOs: {} prefill + {} decode = {}.**\n",
-                b.prefill_gpus,
-                b.decode_gpus,
-                b.gpus()
-            ));
-            let e = econ_check(b, &trace)?;
-            let ratio = |model: f64, planned: u32| model / f64::from(planned).max(1e-12);
-            summary.push_str(&format!(
-                "\nEconomics cross-check (throughput only, SPEC §11 rates × {:.0}% efficiency, the trace's offered load of {:.0} input and {:.0} output tok/s, the simulated {:.2}% hit rate): {:.1} prefill + {:.1} decode GPUs, against the planner's {} + {} ({:.2}× and {:.2}×). Where the model needs fewer GPUs than the planner, the SLOs (queueing, tail latency) set the size; where it needs more, the simulated unit runs faster per GPU than the published operating point.\n",
-                100.0 * servelab_core::econ::defaults::EFFICIENCY,
-                e.input_tokens_per_s,
-                e.output_tokens_per_s,
-                100.0 * e.sim_hit_rate,
-                e.econ_prefill_gpus,
-                e.econ_decode_gpus,
-                b.prefill_gpus,
-                b.decode_gpus,
-                ratio(e.econ_prefill_gpus, b.prefill_gpus),
-                ratio(e.econ_decode_gpus, b.decode_gpus),
-            ));
-        }
-        None => summary.push_str("\n**No candidate meets the SLOs**: widen `search`.\n"),
-    }
-    if let Some(d) = &cfg.experiment.description {
-        summary.push_str(&format!("\n## Traffic and SLOs\n\n{}\n", d.trim()));
-    }
-    if let (Some(st), Some(s)) = (&cfg.store_search, &stores) {
-        let pick = s.iter().find(|r| r.2);
-        summary.push_str(&format!(
-            "\nStore for a {:.1}% hit rate (DeepInfer rules, trace-level replay): {}\n",
-            100.0 * st.target_hit_rate,
-            match pick {
-                Some(r) => format!("{} TB logical ({:.2}% measured).", r.0, 100.0 * r.1),
-                None => "none of the listed capacities reaches it.".into(),
-            }
-        ));
-    }
-    out.write_text("summary.md", &summary)?;
-    out.write_summary_json(&crate::sweep::headline::plan(&cands, best(&cands)))?;
-    out.write_manifest(&Manifest::new(
-        "plan",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
-    println!("{summary}");
-    Ok(())
+    Ok(s)
 }
 
 #[cfg(test)]

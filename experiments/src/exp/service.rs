@@ -134,7 +134,19 @@ fn write_plots(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     Ok(())
 }
 
+/// One table per part of the report: requests, time series, engines, latency, rejections and
+/// the unit's scalars.
 fn write_tables(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
+    write_requests_table(out, rep)?;
+    write_series_table(out, rep)?;
+    write_engines_table(out, rep)?;
+    write_latency_table(out, rep)?;
+    write_rejections_table(out, rep)?;
+    write_unit_table(out, rep)
+}
+
+/// The sampled requests, one row each.
+fn write_requests_table(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     let r = &rep.requests;
     let mut df = df!(
         "request" => r.iter().map(|x| x.request).collect::<Vec<_>>(),
@@ -150,7 +162,11 @@ fn write_tables(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
         "max_gap_ms" => r.iter().map(|x| x.max_gap_ms).collect::<Vec<_>>(),
         "e2e_s" => r.iter().map(|x| x.e2e_s).collect::<Vec<_>>(),
     )?;
-    out.write_table("requests_sample", &mut df)?;
+    out.write_table("requests_sample", &mut df)
+}
+
+/// The time series, one row per interval.
+fn write_series_table(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     let s = &rep.series;
     let mut df = df!(
         "t_s" => s.iter().map(|x| x.t_s).collect::<Vec<_>>(),
@@ -164,7 +180,11 @@ fn write_tables(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
         "kv_occupancy" => s.iter().map(|x| x.kv_occupancy).collect::<Vec<_>>(),
         "prefill_queued" => s.iter().map(|x| x.prefill_queued).collect::<Vec<_>>(),
     )?;
-    out.write_table("series", &mut df)?;
+    out.write_table("series", &mut df)
+}
+
+/// One row per engine of either pool.
+fn write_engines_table(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     let e = &rep.engines;
     let mut df = df!(
         "pool" => e.iter().map(|x| x.pool).collect::<Vec<_>>(),
@@ -176,7 +196,11 @@ fn write_tables(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
         "mean_kv_occupancy" => e.iter().map(|x| x.mean_kv_occupancy).collect::<Vec<_>>(),
         "tier" => e.iter().map(|x| x.tier).collect::<Vec<_>>(),
     )?;
-    out.write_table("engines", &mut df)?;
+    out.write_table("engines", &mut df)
+}
+
+/// Latency statistics, overall and per class, one row per metric.
+fn write_latency_table(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     let mut names = Vec::new();
     let mut metric = Vec::new();
     let (mut mean, mut p50, mut p90, mut p99, mut n) = (vec![], vec![], vec![], vec![], vec![]);
@@ -207,13 +231,21 @@ fn write_tables(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     // `completed` counts the requests the percentiles describe; `rejected` the measured
     // arrivals of the class that never completed (not in the percentiles).
     let mut df = df!("class" => names, "metric" => metric, "mean" => mean, "p50" => p50, "p90" => p90, "p99" => p99, "completed" => n, "rejected" => rejected)?;
-    out.write_table("latency", &mut df)?;
+    out.write_table("latency", &mut df)
+}
+
+/// Rejected requests per reason.
+fn write_rejections_table(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     let mut df = df!(
         "reason" => rep.rejected.iter().map(|r| r.reason).collect::<Vec<_>>(),
         "requests" => rep.rejected.iter().map(|r| r.requests).collect::<Vec<_>>(),
         "measured" => rep.rejected.iter().map(|r| r.measured).collect::<Vec<_>>(),
     )?;
-    out.write_table("rejections", &mut df)?;
+    out.write_table("rejections", &mut df)
+}
+
+/// The unit's scalar metrics.
+fn write_unit_table(out: &mut RunOutput, rep: &ServiceReport) -> Result<()> {
     let mut df = df!(
         "metric" => ["prefill_mean_imbalance", "decode_mean_imbalance", "moe_reassignments", "moe_reassignment_s", "swa_hit_rate", "swa_store_bytes_written", "store_used_bytes", "prefill_lb_rounds", "decode_slot_occupancy", "decode_seqs_per_rank", "prefill_busy_fraction", "decode_busy_fraction"],
         "value" => [rep.prefill_mean_imbalance, rep.decode_mean_imbalance, rep.moe_reassignments as f64, rep.moe_reassignment_s, rep.swa_hit_rate, rep.swa_store_bytes_written as f64, rep.store_used_bytes as f64, rep.prefill_lb_rounds as f64, rep.decode_slot_occupancy, rep.decode_seqs_per_rank, rep.prefill_busy_fraction, rep.decode_busy_fraction],
@@ -272,15 +304,21 @@ fn versus_range(sim: f64, lo: f64, hi: f64) -> String {
     }
 }
 
+/// The summary's table: the run against SPEC §11's published operating points, one row each.
 fn summary_rows(rep: &ServiceReport) -> Vec<Vec<String>> {
+    let mut rows = latency_rows(rep);
+    rows.extend(throughput_rows(rep));
+    rows.extend(cache_rows(rep));
+    rows
+}
+
+/// TTFT mean and P99, and the generation speed per request.
+fn latency_rows(rep: &ServiceReport) -> Vec<Vec<String>> {
     let p = &PUBLISHED;
-    let st = &rep.steady;
     let ttft_mean = rep.all.ttft_ns.mean() / 1e6;
     let ttft_p99 = rep.all.ttft_ns.quantile(0.99) / 1e6;
     let tpot = rep.all.tpot_ns.mean();
     let speed = 1e9 / tpot.max(1.0);
-    let per_req_input = rep.input_tokens as f64 / rep.measured_requests.max(1) as f64;
-    let (plo, phi) = p.prefill_tokens_per_s_per_gpu;
     vec![
         vec![
             "TTFT mean".into(),
@@ -300,6 +338,15 @@ fn summary_rows(rep: &ServiceReport) -> Vec<Vec<String>> {
             format!("{:.0} tok/s", p.tokens_per_s_per_request),
             versus(speed, p.tokens_per_s_per_request, 0.10),
         ],
+    ]
+}
+
+/// Decode and prefill throughput per GPU in the steady state.
+fn throughput_rows(rep: &ServiceReport) -> Vec<Vec<String>> {
+    let p = &PUBLISHED;
+    let st = &rep.steady;
+    let (plo, phi) = p.prefill_tokens_per_s_per_gpu;
+    vec![
         vec![
             "decode tok/s per GPU, steady state (busy)".into(),
             format!(
@@ -326,6 +373,15 @@ fn summary_rows(rep: &ServiceReport) -> Vec<Vec<String>> {
             format!("{plo:.0}–{phi:.0}"),
             versus_range(st.prefill_tokens_per_s_per_gpu, plo, phi),
         ],
+    ]
+}
+
+/// The input and SWA hit rates, the input per request and the accepted length.
+fn cache_rows(rep: &ServiceReport) -> Vec<Vec<String>> {
+    let p = &PUBLISHED;
+    let st = &rep.steady;
+    let per_req_input = rep.input_tokens as f64 / rep.measured_requests.max(1) as f64;
+    vec![
         vec![
             "input hit rate".into(),
             format!("{:.1}%", 100.0 * rep.hit_rate()),

@@ -255,22 +255,8 @@ fn finish(
     let path = base.path.display().to_string();
     let kind = base.header.kind.clone();
     let out = &opt.out;
-    // Gather.
-    let mut results: Vec<Metrics> = Vec::new();
-    for j in jobs {
-        let p = j.dir.join("summary.json");
-        let text =
-            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-        let m: Metrics = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not a flat map of metric → number", p.display()))?;
-        results.push(m);
-    }
-    let names: Vec<String> = {
-        let mut all: Vec<String> = results.iter().flat_map(|m| m.keys().cloned()).collect();
-        all.sort();
-        all.dedup();
-        all
-    };
+    let results = gather(jobs)?;
+    let names = metric_names(&results);
     if let Some(want) = &spec.metrics
         && let Some(bad) = want.iter().find(|w| !names.contains(w))
     {
@@ -297,19 +283,7 @@ fn finish(
         let p = w.path(&format!("plots/{}.svg", file_slug(m)));
         plot_metric(&p, spec, points, m, &stats)?;
     }
-    let mut flat = Metrics::new();
-    for (i, p) in points.iter().enumerate() {
-        for m in &names {
-            if let Some(s) = stats.get(&(i, m.clone())) {
-                let at = if spec.dims.is_empty() {
-                    String::new()
-                } else {
-                    format!(" @ {}", spec.point_label(p))
-                };
-                flat.insert(format!("{m}{at}"), s.mean);
-            }
-        }
-    }
+    let flat = flat_means(spec, points, &names, &stats);
     w.write_summary_json(&flat)?;
     let md = summary_md(
         &path, &kind, spec, points, &names, &plotted, &stats, &warnings,
@@ -330,6 +304,46 @@ fn finish(
         println!("wrote {}", out.display());
     }
     Ok(())
+}
+
+/// Every job's summary.json, in job order.
+fn gather(jobs: &[Job]) -> Result<Vec<Metrics>> {
+    let mut results: Vec<Metrics> = Vec::new();
+    for j in jobs {
+        let p = j.dir.join("summary.json");
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        let m: Metrics = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a flat map of metric → number", p.display()))?;
+        results.push(m);
+    }
+    Ok(results)
+}
+
+/// The metrics any job reported, sorted.
+fn metric_names(results: &[Metrics]) -> Vec<String> {
+    let mut all: Vec<String> = results.iter().flat_map(|m| m.keys().cloned()).collect();
+    all.sort();
+    all.dedup();
+    all
+}
+
+/// The sweep's summary.json: each metric's mean at each point, `metric @ key=label, …`.
+fn flat_means(spec: &Spec, points: &[Point], names: &[String], stats: &Stats) -> Metrics {
+    let mut flat = Metrics::new();
+    for (i, p) in points.iter().enumerate() {
+        for m in names {
+            if let Some(s) = stats.get(&(i, m.clone())) {
+                let at = if spec.dims.is_empty() {
+                    String::new()
+                } else {
+                    format!(" @ {}", spec.point_label(p))
+                };
+                flat.insert(format!("{m}{at}"), s.mean);
+            }
+        }
+    }
+    flat
 }
 
 /// A sweep folder resumes: its finished points are kept. Any other folder with files is refused
@@ -399,14 +413,7 @@ fn run_jobs(
                     if r.is_ok() { "done" } else { "FAILED" },
                     started.elapsed().as_secs_f64()
                 );
-                if pb.is_hidden() {
-                    if !opt.quiet {
-                        eprintln!("{line}");
-                    }
-                } else {
-                    pb.println(line);
-                }
-                pb.inc(1);
+                print_progress_line(&pb, opt.quiet, line);
                 r.map_err(|e| anyhow!("sweep point {} ({label}seed {}): {e:#}", j.point, j.seed))
             })
             .collect()
@@ -420,6 +427,19 @@ fn run_jobs(
         ));
     }
     Ok(())
+}
+
+/// One finished point's line, above the progress bar when it shows, else on stderr unless
+/// quiet; then the bar moves on.
+fn print_progress_line(pb: &indicatif::ProgressBar, quiet: bool, line: String) {
+    if pb.is_hidden() {
+        if !quiet {
+            eprintln!("{line}");
+        }
+    } else {
+        pb.println(line);
+    }
+    pb.inc(1);
 }
 
 fn progress(quiet: bool, len: u64) -> indicatif::ProgressBar {
@@ -831,7 +851,6 @@ fn plot_metric(path: &Path, spec: &Spec, points: &[Point], m: &str, stats: &Stat
 }
 
 /// Keys that change nothing, and percentiles that do not move while their mean does.
-#[allow(clippy::needless_range_loop)]
 fn warnings(
     spec: &Spec,
     points: &[Point],
@@ -863,75 +882,97 @@ fn warnings(
             ));
         } else {
             for (d, dim) in spec.dims.iter().enumerate() {
-                // Values of this dimension that give identical results wherever the others are.
-                let n = dim.n_values();
-                let mut class: Vec<usize> = (0..n).collect();
-                for a in 0..n {
-                    for b in a + 1..n {
-                        if class[b] != b {
-                            continue;
-                        }
-                        let same = points.iter().enumerate().all(|(i, p)| {
-                            if p.coords[d] != a {
-                                return true;
-                            }
-                            let mut q = p.coords.clone();
-                            q[d] = b;
-                            match points.iter().position(|x| x.coords == q) {
-                                Some(k) => same_points(i, k),
-                                None => true,
-                            }
-                        });
-                        if same {
-                            class[b] = a;
-                        }
-                    }
-                }
-                for a in 0..n {
-                    let group: Vec<String> = (0..n)
-                        .filter(|&b| class[b] == a)
-                        .map(|b| dim.label(b))
-                        .collect();
-                    if group.len() > 1 {
-                        w.push(format!(
-                            "`{}` = {} give identical results (every metric, every seed): \
-                             between these values the key changes nothing measured here",
-                            dim.name(),
-                            group.join(", ")
-                        ));
-                    }
-                }
+                identical_values_warnings(points, d, dim, &same_points, &mut w);
             }
         }
-        for m in names {
-            let Some((pct, mean_name)) = percentile_counterpart(m) else {
-                continue;
-            };
-            if !names.contains(&mean_name) {
+        stuck_percentile_warnings(points.len(), names, stats, &mut w);
+    }
+    w
+}
+
+/// Values of dimension `d` that give identical results wherever the others are, one warning
+/// per group of two or more.
+#[allow(clippy::needless_range_loop)]
+fn identical_values_warnings(
+    points: &[Point],
+    d: usize,
+    dim: &spec::Dim,
+    same_points: &impl Fn(usize, usize) -> bool,
+    w: &mut Vec<String>,
+) {
+    let n = dim.n_values();
+    let mut class: Vec<usize> = (0..n).collect();
+    for a in 0..n {
+        for b in a + 1..n {
+            if class[b] != b {
                 continue;
             }
-            if constant_over_points(points.len(), m, stats)
-                && !constant_over_points(points.len(), &mean_name, stats)
-            {
-                let v = stats.get(&(0, m.clone())).map_or(f64::NAN, |s| s.mean);
-                let means: Vec<f64> = (0..points.len())
-                    .filter_map(|i| stats.get(&(i, mean_name.clone())).map(|s| s.mean))
-                    .collect();
-                let (lo, hi) = means
-                    .iter()
-                    .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
-                w.push(format!(
-                    "`{m}` is {v:.4} at every point while `{mean_name}` moves ({lo:.4} to \
-                     {hi:.4}): a {pct} is read off a log-bucket histogram, as the midpoint of the \
-                     bucket it falls in (buckets under 1 % wide), so a tail that moves less \
-                     than one bucket reports the same value; the {pct} may also be set by a class \
-                     of requests the swept key does not touch (see the per-class metrics). \
-                     Compare means, or sweep wider."
-                ));
+            let same = points.iter().enumerate().all(|(i, p)| {
+                if p.coords[d] != a {
+                    return true;
+                }
+                let mut q = p.coords.clone();
+                q[d] = b;
+                match points.iter().position(|x| x.coords == q) {
+                    Some(k) => same_points(i, k),
+                    None => true,
+                }
+            });
+            if same {
+                class[b] = a;
             }
         }
     }
-    w
+    for a in 0..n {
+        let group: Vec<String> = (0..n)
+            .filter(|&b| class[b] == a)
+            .map(|b| dim.label(b))
+            .collect();
+        if group.len() > 1 {
+            w.push(format!(
+                "`{}` = {} give identical results (every metric, every seed): \
+                 between these values the key changes nothing measured here",
+                dim.name(),
+                group.join(", ")
+            ));
+        }
+    }
+}
+
+/// Percentiles constant over the points while their mean moves.
+fn stuck_percentile_warnings(
+    n_points: usize,
+    names: &[String],
+    stats: &Stats,
+    w: &mut Vec<String>,
+) {
+    for m in names {
+        let Some((pct, mean_name)) = percentile_counterpart(m) else {
+            continue;
+        };
+        if !names.contains(&mean_name) {
+            continue;
+        }
+        if constant_over_points(n_points, m, stats)
+            && !constant_over_points(n_points, &mean_name, stats)
+        {
+            let v = stats.get(&(0, m.clone())).map_or(f64::NAN, |s| s.mean);
+            let means: Vec<f64> = (0..n_points)
+                .filter_map(|i| stats.get(&(i, mean_name.clone())).map(|s| s.mean))
+                .collect();
+            let (lo, hi) = means
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+            w.push(format!(
+                "`{m}` is {v:.4} at every point while `{mean_name}` moves ({lo:.4} to \
+                 {hi:.4}): a {pct} is read off a log-bucket histogram, as the midpoint of the \
+                 bucket it falls in (buckets under 1 % wide), so a tail that moves less \
+                 than one bucket reports the same value; the {pct} may also be set by a class \
+                 of requests the swept key does not touch (see the per-class metrics). \
+                 Compare means, or sweep wider."
+            ));
+        }
+    }
 }
 
 /// `all.ttft_ms.p99` → ("P99", `all.ttft_ms.mean`); `p8_d8.ttft_p99_ms` → ("P99",
@@ -995,13 +1036,39 @@ fn summary_md(
                 .join(", ")
         ));
     }
+    s.push_str(&means_section(spec, points, names, plotted, stats));
+    if !warnings.is_empty() {
+        s.push_str("\n## Warnings\n\n");
+        for w in warnings {
+            s.push_str(&format!("- {w}\n"));
+        }
+    }
+    s.push_str(
+        "\n## Files\n\n- `sweep.csv`/`.parquet`: one row per point × seed (a column per swept \
+         key, the seed, a column per metric).\n- `sweep_summary.csv`/`.parquet`: per point and \
+         metric, the mean, standard deviation and 95 % interval over the seeds.\n- `plots/`: \
+         each plotted metric against the first numeric swept key.\n- `points/<id>/`: every \
+         run's own outputs.\n",
+    );
+    s
+}
+
+/// The table of means (with interval half-widths over several seeds) per point, of the plotted
+/// metrics, or of the first ones when none is plotted.
+fn means_section(
+    spec: &Spec,
+    points: &[Point],
+    names: &[String],
+    plotted: &[String],
+    stats: &Stats,
+) -> String {
     let shown: Vec<&String> = if plotted.is_empty() {
         names.iter().take(MAX_PLOTS).collect()
     } else {
         plotted.iter().collect()
     };
     let ci = spec.seeds.len() > 1;
-    s.push_str(&format!(
+    let mut s = format!(
         "\nMean{} of each metric per point{}:\n\n",
         if ci {
             " ± 95 % interval half-width (Student t)"
@@ -1017,7 +1084,7 @@ fn summary_md(
         } else {
             String::new()
         }
-    ));
+    );
     let mut header: Vec<String> = spec.dims.iter().map(|d| d.name()).collect();
     header.extend(shown.iter().map(|m| m.to_string()));
     let rows: Vec<Vec<String>> = points
@@ -1044,19 +1111,6 @@ fn summary_md(
         .collect();
     let hdr: Vec<&str> = header.iter().map(|h| h.as_str()).collect();
     s.push_str(&markdown_table(&hdr, &rows));
-    if !warnings.is_empty() {
-        s.push_str("\n## Warnings\n\n");
-        for w in warnings {
-            s.push_str(&format!("- {w}\n"));
-        }
-    }
-    s.push_str(
-        "\n## Files\n\n- `sweep.csv`/`.parquet`: one row per point × seed (a column per swept \
-         key, the seed, a column per metric).\n- `sweep_summary.csv`/`.parquet`: per point and \
-         metric, the mean, standard deviation and 95 % interval over the seeds.\n- `plots/`: \
-         each plotted metric against the first numeric swept key.\n- `points/<id>/`: every \
-         run's own outputs.\n",
-    );
     s
 }
 

@@ -178,64 +178,17 @@ impl Spec {
 pub fn parse(cfg: &LoadedConfig) -> Result<Option<Spec>> {
     let path = cfg.path.display().to_string();
     cfg.with_sweep_table(|t, src| {
-        let at = |s: &std::ops::Range<usize>| cfg.describe_span(s);
-        let mut dims = Vec::new();
-        let mut seen: Vec<String> = Vec::new();
-        let mut read_axes = |name: &str| -> Result<Vec<Axis>> {
-            let Some(v) = t.get(name) else {
-                return Ok(Vec::new());
-            };
-            let DeValue::Table(tab) = v.get_ref() else {
-                bail!(
-                    "{path}: `sweep.{name}`{} must be a table of key = [values]",
-                    at(&v.span())
-                );
-            };
-            let mut found = Vec::new();
-            flatten("", tab, &mut found);
-            let mut axes = Vec::new();
-            for (written, kspan, val) in found {
-                let where_ = at(&kspan);
-                let key = canonical_key(&written)
-                    .map_err(|e| anyhow!("{path}: sweep.{name}.\"{written}\"{where_}: {e}"))?;
-                check_key(&key, &cfg.header.kind)
-                    .map_err(|e| anyhow!("{path}: sweep.{name}.\"{written}\"{where_}: {e}"))?;
-                if seen.contains(&key) {
-                    bail!("{path}: `{key}`{where_} is swept twice");
-                }
-                seen.push(key.clone());
-                let DeValue::Array(items) = val.get_ref() else {
-                    bail!(
-                        "{path}: sweep.{name}.\"{written}\"{where_}: expected a list of values, \
-                         found a single value (write [value, ...])"
-                    );
-                };
-                if items.is_empty() {
-                    bail!(
-                        "{path}: sweep.{name}.\"{written}\"{where_} is an empty axis: list at \
-                         least one value"
-                    );
-                }
-                let mut values: Vec<AxisValue> = Vec::new();
-                for it in items.iter() {
-                    let av = axis_value(it, src);
-                    if values.iter().any(|v| same_value(v, &av)) {
-                        bail!(
-                            "{path}: sweep.{name}.\"{written}\"{where_} lists {} twice",
-                            av.toml
-                        );
-                    }
-                    values.push(av);
-                }
-                relabel(&mut values);
-                axes.push(Axis { key, values });
-            }
-            Ok(axes)
+        let mut r = SweepReader {
+            cfg,
+            path: path.clone(),
+            src,
+            seen: Vec::new(),
         };
-        for a in read_axes("grid")? {
+        let mut dims = Vec::new();
+        for a in r.axes(t, "grid")? {
             dims.push(Dim { axes: vec![a] });
         }
-        let zip = read_axes("zip")?;
+        let zip = r.axes(t, "zip")?;
         if let Some(first) = zip.first() {
             if let Some(bad) = zip.iter().find(|a| a.values.len() != first.values.len()) {
                 bail!(
@@ -249,63 +202,12 @@ pub fn parse(cfg: &LoadedConfig) -> Result<Option<Spec>> {
             }
             dims.push(Dim { axes: zip });
         }
-        let seeds = match t.get("seeds") {
-            None => vec![cfg.header.seed],
-            Some(v) => {
-                let where_ = at(&v.span());
-                let DeValue::Array(items) = v.get_ref() else {
-                    bail!("{path}: `sweep.seeds`{where_} must be a list of seeds, e.g. [1, 2, 3]");
-                };
-                if items.is_empty() {
-                    bail!(
-                        "{path}: `sweep.seeds`{where_} lists zero seeds: give at least one \
-                         (or leave it out to use the config's seed)"
-                    );
-                }
-                let mut seeds: Vec<u64> = Vec::new();
-                for it in items.iter() {
-                    let s = match it.get_ref() {
-                        DeValue::Integer(i) => u64::from_str_radix(i.as_str(), i.radix()).ok(),
-                        _ => None,
-                    }
-                    .ok_or_else(|| {
-                        anyhow!(
-                            "{path}: `sweep.seeds`{}: `{}` is not a seed (a non-negative integer)",
-                            at(&it.span()),
-                            &src[it.span()]
-                        )
-                    })?;
-                    if seeds.contains(&s) {
-                        bail!("{path}: `sweep.seeds`{where_} lists seed {s} twice");
-                    }
-                    seeds.push(s);
-                }
-                seeds
-            }
-        };
-        let metrics = match t.get("metrics") {
-            None => None,
-            Some(v) => {
-                let where_ = at(&v.span());
-                let DeValue::Array(items) = v.get_ref() else {
-                    bail!("{path}: `sweep.metrics`{where_} must be a list of metric names");
-                };
-                let names: Option<Vec<String>> = items
-                    .iter()
-                    .map(|i| match i.get_ref() {
-                        DeValue::String(s) => Some(s.to_string()),
-                        _ => None,
-                    })
-                    .collect();
-                Some(names.ok_or_else(|| {
-                    anyhow!("{path}: `sweep.metrics`{where_} must be a list of metric names")
-                })?)
-            }
-        };
+        let seeds = r.seeds(t)?;
+        let metrics = r.metrics(t)?;
         if let (true, Some(v)) = (dims.is_empty(), t.get("grid").or(t.get("zip"))) {
             bail!(
                 "{path}: the sweep's grid{} has no axis: list key = [values]",
-                at(&v.span())
+                r.at(&v.span())
             );
         }
         if dims.is_empty() && !t.contains_key("seeds") {
@@ -317,6 +219,149 @@ pub fn parse(cfg: &LoadedConfig) -> Result<Option<Spec>> {
             metrics,
         })
     })
+}
+
+/// Reads the parts of one `[sweep]` table, remembering the keys already swept so that a key
+/// swept twice (in `grid` and `zip`, or twice in one) is refused.
+struct SweepReader<'a> {
+    cfg: &'a LoadedConfig,
+    path: String,
+    /// The config's source text, for values as written.
+    src: &'a str,
+    seen: Vec<String>,
+}
+
+impl SweepReader<'_> {
+    /// ` (line N)` or ` (--set …)` for a span of the document.
+    fn at(&self, s: &std::ops::Range<usize>) -> String {
+        self.cfg.describe_span(s)
+    }
+
+    /// The axes of `sweep.<name>` (`grid` or `zip`), in file order; none when it is absent.
+    fn axes(&mut self, t: &DeTable<'_>, name: &str) -> Result<Vec<Axis>> {
+        let path = &self.path;
+        let Some(v) = t.get(name) else {
+            return Ok(Vec::new());
+        };
+        let DeValue::Table(tab) = v.get_ref() else {
+            bail!(
+                "{path}: `sweep.{name}`{} must be a table of key = [values]",
+                self.at(&v.span())
+            );
+        };
+        let mut found = Vec::new();
+        flatten("", tab, &mut found);
+        let mut axes = Vec::new();
+        for (written, kspan, val) in found {
+            axes.push(self.axis(name, &written, &kspan, val)?);
+        }
+        Ok(axes)
+    }
+
+    /// One axis, `written` as the key is in the file: its key checked and not swept before,
+    /// its values a non-empty list without repeats.
+    fn axis(
+        &mut self,
+        name: &str,
+        written: &str,
+        kspan: &std::ops::Range<usize>,
+        val: &Spanned<DeValue<'_>>,
+    ) -> Result<Axis> {
+        let path = &self.path;
+        let where_ = self.at(kspan);
+        let key = canonical_key(written)
+            .map_err(|e| anyhow!("{path}: sweep.{name}.\"{written}\"{where_}: {e}"))?;
+        check_key(&key, &self.cfg.header.kind)
+            .map_err(|e| anyhow!("{path}: sweep.{name}.\"{written}\"{where_}: {e}"))?;
+        if self.seen.contains(&key) {
+            bail!("{path}: `{key}`{where_} is swept twice");
+        }
+        self.seen.push(key.clone());
+        let DeValue::Array(items) = val.get_ref() else {
+            bail!(
+                "{path}: sweep.{name}.\"{written}\"{where_}: expected a list of values, \
+                 found a single value (write [value, ...])"
+            );
+        };
+        if items.is_empty() {
+            bail!(
+                "{path}: sweep.{name}.\"{written}\"{where_} is an empty axis: list at \
+                 least one value"
+            );
+        }
+        let mut values: Vec<AxisValue> = Vec::new();
+        for it in items.iter() {
+            let av = axis_value(it, self.src);
+            if values.iter().any(|v| same_value(v, &av)) {
+                bail!(
+                    "{path}: sweep.{name}.\"{written}\"{where_} lists {} twice",
+                    av.toml
+                );
+            }
+            values.push(av);
+        }
+        relabel(&mut values);
+        Ok(Axis { key, values })
+    }
+
+    /// `sweep.seeds`: distinct non-negative integers; the config's seed when absent.
+    fn seeds(&self, t: &DeTable<'_>) -> Result<Vec<u64>> {
+        let (path, src) = (&self.path, self.src);
+        let Some(v) = t.get("seeds") else {
+            return Ok(vec![self.cfg.header.seed]);
+        };
+        let where_ = self.at(&v.span());
+        let DeValue::Array(items) = v.get_ref() else {
+            bail!("{path}: `sweep.seeds`{where_} must be a list of seeds, e.g. [1, 2, 3]");
+        };
+        if items.is_empty() {
+            bail!(
+                "{path}: `sweep.seeds`{where_} lists zero seeds: give at least one \
+                 (or leave it out to use the config's seed)"
+            );
+        }
+        let mut seeds: Vec<u64> = Vec::new();
+        for it in items.iter() {
+            let s = match it.get_ref() {
+                DeValue::Integer(i) => u64::from_str_radix(i.as_str(), i.radix()).ok(),
+                _ => None,
+            }
+            .ok_or_else(|| {
+                anyhow!(
+                    "{path}: `sweep.seeds`{}: `{}` is not a seed (a non-negative integer)",
+                    self.at(&it.span()),
+                    &src[it.span()]
+                )
+            })?;
+            if seeds.contains(&s) {
+                bail!("{path}: `sweep.seeds`{where_} lists seed {s} twice");
+            }
+            seeds.push(s);
+        }
+        Ok(seeds)
+    }
+
+    /// `sweep.metrics`: the metric names to plot, when given.
+    fn metrics(&self, t: &DeTable<'_>) -> Result<Option<Vec<String>>> {
+        let path = &self.path;
+        let Some(v) = t.get("metrics") else {
+            return Ok(None);
+        };
+        let where_ = self.at(&v.span());
+        let DeValue::Array(items) = v.get_ref() else {
+            bail!("{path}: `sweep.metrics`{where_} must be a list of metric names");
+        };
+        let names: Option<Vec<String>> = items
+            .iter()
+            .map(|i| match i.get_ref() {
+                DeValue::String(s) => Some(s.to_string()),
+                _ => None,
+            })
+            .collect();
+        Ok(Some(names.ok_or_else(|| {
+            anyhow!("{path}: `sweep.metrics`{where_} must be a list of metric names")
+        })?))
+    }
 }
 
 /// Refuses keys that are not parameters of the experiment.
