@@ -132,7 +132,12 @@ fn ttl_days_names_the_field_of_bad_input() {
     let bad = SMALL.replace("probability = 0.8", "probability = 1.8");
     std::fs::write(&cfg, bad).unwrap();
     let o = servelab(
-        &["run", cfg.to_str().unwrap(), "--out", d.to_str().unwrap()],
+        &[
+            "run",
+            cfg.to_str().unwrap(),
+            "--out",
+            d.join("out").to_str().unwrap(),
+        ],
         "1",
     );
     assert!(!o.status.success());

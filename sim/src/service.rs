@@ -254,6 +254,14 @@ impl ServiceConfig {
         if self.fetch.stripes == 0 {
             return Err(ConfigError::invalid("fetch.stripes", "must be positive"));
         }
+        self.validate_moe()?;
+        self.validate_faults()?;
+        self.acceptance.validate()
+    }
+
+    /// The MoE skew models, and a decode model whose EP width is the group's.
+    fn validate_moe(&self) -> Result<(), ConfigError> {
+        let d = &self.decode;
         if let MoeImbalance::Model { prefill, decode } = &self.moe {
             if let Some(c) = prefill {
                 c.validate()
@@ -273,8 +281,7 @@ impl ServiceConfig {
                 }
             }
         }
-        self.validate_faults()?;
-        self.acceptance.validate()
+        Ok(())
     }
 
     /// The unit's shape as the fault schedule sees it.

@@ -401,6 +401,24 @@ impl UnitMetrics {
         }
     }
 
+    /// Rejections per reason: every reason of [`Rejection::ALL`], and the fault reasons that
+    /// happened (so that runs without faults keep their report byte for byte).
+    fn rejection_counts(&self) -> Vec<RejectionCount> {
+        Rejection::ALL
+            .iter()
+            .chain(
+                Rejection::FAULTS
+                    .iter()
+                    .filter(|r| self.rejected[r.index()] > 0),
+            )
+            .map(|r| RejectionCount {
+                reason: r.name(),
+                requests: self.rejected[r.index()],
+                measured: self.rejected_measured[r.index()],
+            })
+            .collect()
+    }
+
     pub fn into_report(self, f: FinalState) -> ServiceReport {
         let t = f.end.as_secs_f64().max(1e-9);
         let engines = self.engine_rows(&f, t);
@@ -420,19 +438,7 @@ impl UnitMetrics {
         ServiceReport {
             arrivals: f.arrivals,
             completed: self.completed,
-            rejected: Rejection::ALL
-                .iter()
-                .chain(
-                    Rejection::FAULTS
-                        .iter()
-                        .filter(|r| self.rejected[r.index()] > 0),
-                )
-                .map(|r| RejectionCount {
-                    reason: r.name(),
-                    requests: self.rejected[r.index()],
-                    measured: self.rejected_measured[r.index()],
-                })
-                .collect(),
+            rejected: self.rejection_counts(),
             measured_arrivals: self.measured_arrivals,
             rejected_by_class: TrafficClass::ALL
                 .iter()

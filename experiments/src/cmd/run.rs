@@ -55,6 +55,7 @@ pub fn dispatch(ctx: &exp::RunContext) -> Result<()> {
         "eplb" => exp::eplb::run(ctx),
         "faults" => exp::faults::run(ctx),
         "plan" => exp::plan::run(ctx),
+        "sampling" => exp::sampling::run(ctx),
         "service" => exp::service::run(ctx),
         "ttl-days" => exp::ttl_days::run(ctx),
         other => bail!(

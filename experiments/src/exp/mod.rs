@@ -11,6 +11,7 @@ pub mod econ;
 pub mod eplb;
 pub mod faults;
 pub mod plan;
+pub mod sampling;
 pub mod service;
 pub mod trace_source;
 pub mod ttl_days;
@@ -23,6 +24,7 @@ pub const KINDS: &[&str] = &[
     "eplb",
     "faults",
     "plan",
+    "sampling",
     "service",
     "ttl-days",
 ];
