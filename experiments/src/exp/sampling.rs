@@ -78,7 +78,7 @@ impl Point {
 
 /// `n` divided by `one_in`, or an error naming the count.
 fn divide(n: u32, one_in: u32, field: &str) -> Result<u32> {
-    if n % one_in != 0 {
+    if !n.is_multiple_of(one_in) {
         bail!("sampling.one_in: 1 in {one_in} does not divide service.{field} ({n})");
     }
     Ok(n / one_in)
