@@ -249,9 +249,10 @@ fn summary(sm: &Sampling, points: &[Point]) -> String {
             ]
         })
         .collect();
+    let points_word = if sm.hit_pp == 1.0 { "point" } else { "points" };
     let mut s = format!(
-        "# Sampled units against 1 in {}\n\n{}\nTargets: hit rate within {} points, TTFT mean \
-         and P99 within {:.0}%.\n\n",
+        "# Sampled units against 1 in {}\n\n{}\nTargets: hit rate within {} {points_word}, TTFT \
+         mean and P99 within {:.0}%.\n\n",
         points[0].one_in,
         markdown_table(&header, &rows),
         sm.hit_pp,
