@@ -49,26 +49,31 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     let rep = simulate(&cfg.service, &trace.requests, seed).map_err(|e| anyhow!("{path}: {e}"))?;
     let wall = started.elapsed().as_secs_f64();
     println!(
-        "simulated {:.0} s in {:.1} s wall: {:.0}x real time ({} requests, {} events, {:.2} M events/s)",
+        "simulated {:.0} s in {:.1} s wall: {:.0}x real time ({} requests, {:.0} requests/s, {} \
+         events, {:.2} M events/s)",
         rep.simulated_s,
         wall,
         rep.simulated_s / wall,
         rep.arrivals,
+        rep.arrivals as f64 / wall,
         rep.events,
         rep.events as f64 / wall / 1e6
     );
+    let speed = serde_json::json!({
+        "wall_s": wall,
+        "simulated_per_wall": rep.simulated_s / wall.max(1e-9),
+        "requests_per_wall_s": rep.arrivals as f64 / wall.max(1e-9),
+    });
     let mut out = RunOutput::create(&ctx.out)?;
     write_tables(&mut out, &rep)?;
     let summary = summary(&rep, &cfg.service);
     out.write_text("summary.md", &summary)?;
     write_plots(&mut out, &rep)?;
     out.write_summary_json(&crate::sweep::headline::service(&rep))?;
-    out.write_manifest(&Manifest::new(
-        "service",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
+    out.write_manifest_with_speed(
+        &Manifest::new("service", &ctx.config.path, &ctx.config.text, seed),
+        speed,
+    )?;
     println!("{summary}");
     Ok(())
 }
