@@ -1,6 +1,7 @@
 //! servelab-sim: the trace-level replay and the discrete-event serving simulator.
 
 pub mod acceptance;
+pub mod cluster;
 pub mod cost;
 pub mod dspark;
 pub mod env;

@@ -106,14 +106,84 @@ pub fn run<E: Environment, O: Observer>(
     while let Some((now, input)) = env.next(unit)? {
         end.end = now;
         end.inputs += 1;
-        env.update_shared(now, shared)?;
-        observer.on_input(now, &input);
-        unit.handle(now, input, shared, &mut outputs);
-        for output in outputs.drain(..) {
-            observer.on_output(now, &output, unit);
-            env.apply(now, output, unit, shared)?;
-        }
-        observer.after_input(now, unit, shared);
+        step(unit, shared, env, observer, (now, input), &mut outputs)?;
     }
     Ok(end)
+}
+
+/// One input through the unit: the caches brought to `now`, the input handled, every output
+/// carried out. The one step of [`run`] and [`run_cluster`].
+fn step<E: Environment, O: Observer>(
+    unit: &mut ServingUnit<'_>,
+    shared: &mut SharedCache,
+    env: &mut E,
+    observer: &mut O,
+    (now, input): (Nanos, Input),
+    outputs: &mut Vec<Output>,
+) -> Result<(), RunError> {
+    env.update_shared(now, shared)?;
+    observer.on_input(now, &input);
+    unit.handle(now, input, shared, outputs);
+    for output in outputs.drain(..) {
+        observer.on_output(now, &output, unit);
+        env.apply(now, output, unit, shared)?;
+    }
+    observer.after_input(now, unit, shared);
+    Ok(())
+}
+
+/// An environment that can say when its next input is due without producing it.
+pub trait Lookahead {
+    fn next_time(&self) -> Option<Nanos>;
+}
+
+/// One serving unit of a cluster: the unit, its environment and its own SWA state cache (SPEC
+/// §5: one per unit); the KV store is the cluster's.
+pub struct Member<'a, E> {
+    pub unit: ServingUnit<'a>,
+    pub env: E,
+    pub swa: crate::swa::SwaCache,
+}
+
+/// Runs the units of a cluster over one shared store, one input at a time in (time, unit)
+/// order: the unit whose next input is earliest goes next, ties to the lower index, so the run
+/// is deterministic and each unit sees the store as every earlier input of every unit left it.
+/// While a unit handles an input, its own SWA cache stands in `shared.swa`.
+pub fn run_cluster<E: Environment + Lookahead, O: Observer>(
+    members: &mut [Member<'_, E>],
+    shared: &mut SharedCache,
+    observer: &mut O,
+) -> Result<RunEnd, RunError> {
+    let mut outputs = Vec::new();
+    let mut end = RunEnd {
+        end: Nanos::ZERO,
+        inputs: 0,
+    };
+    loop {
+        let next = members
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| m.env.next_time().map(|t| (t, i)))
+            .min();
+        let Some((_, i)) = next else {
+            return Ok(end);
+        };
+        let m = &mut members[i];
+        let Some(timed) = m.env.next(&mut m.unit)? else {
+            continue;
+        };
+        end.end = timed.0;
+        end.inputs += 1;
+        std::mem::swap(&mut shared.swa, &mut m.swa);
+        let r = step(
+            &mut m.unit,
+            shared,
+            &mut m.env,
+            observer,
+            timed,
+            &mut outputs,
+        );
+        std::mem::swap(&mut shared.swa, &mut m.swa);
+        r?;
+    }
 }

@@ -28,7 +28,7 @@ pub mod state;
 
 pub use autoscale::{AutoscaleConfig, Bounds, ScalePolicy};
 pub use config::{DecodePoolConfig, ElasticConfig, PrefillPoolConfig, SurvivorPolicy, UnitConfig};
-pub use drive::{Environment, Observer, RunError, run};
+pub use drive::{Environment, Lookahead, Member, Observer, RunError, run, run_cluster};
 pub use entry::swa_object_key;
 pub use histogram::Histogram;
 pub use io::{DeviceId, Fault, Input, Outcome, Output, Rejection, Timer};

@@ -50,6 +50,7 @@ pub fn dispatch(ctx: &exp::RunContext) -> Result<()> {
     let r = match ctx.config.header.kind.as_str() {
         "autoscale-day" => exp::autoscale_day::run(ctx),
         "cache-policy" => exp::cache_policy::run(ctx),
+        "cluster" => exp::cluster::run(ctx),
         "dspark" => exp::dspark::run(ctx),
         "econ-sweep" => exp::econ::run(ctx),
         "eplb" => exp::eplb::run(ctx),

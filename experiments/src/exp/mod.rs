@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 pub mod autoscale_day;
 pub mod cache_policy;
+pub mod cluster;
 pub mod conformance;
 pub mod dspark;
 pub mod econ;
@@ -19,6 +20,7 @@ pub mod ttl_days;
 pub const KINDS: &[&str] = &[
     "autoscale-day",
     "cache-policy",
+    "cluster",
     "dspark",
     "econ-sweep",
     "eplb",

@@ -126,6 +126,12 @@ impl VirtualEnv {
     }
 }
 
+impl servelab_core::unit::Lookahead for VirtualEnv {
+    fn next_time(&self) -> Option<Nanos> {
+        self.queue.peek_time()
+    }
+}
+
 impl Environment for VirtualEnv {
     fn next(&mut self, unit: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError> {
         let Some((now, input)) = self.queue.pop() else {
