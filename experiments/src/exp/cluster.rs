@@ -8,6 +8,7 @@ use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
 use anyhow::{Result, anyhow};
 use polars::prelude::*;
+use rayon::prelude::*;
 use serde::Deserialize;
 use servelab_core::unit::ServiceReport;
 use servelab_sim::cluster::{UnitSize, route, run as run_cluster, unit_service};
@@ -74,17 +75,24 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             rep,
         })
         .collect();
-    // The baseline: the same units and the same routed requests, each on a store of its own.
+    // The baseline: the same units and the same routed requests, each on a store of its own
+    // (independent runs, so in parallel).
     let tables = route(&trace.requests, &services, seed);
-    for ((u, s), reqs) in cfg.cluster.units.iter().zip(&services).zip(&tables) {
-        let rep = simulate(s, reqs, seed).map_err(|e| anyhow!("{path}: unit {}: {e}", u.name))?;
-        rows.push(Row {
-            arrangement: "own stores",
-            unit: u.name.clone(),
-            gpus: gpus(s),
-            rep,
-        });
-    }
+    let own: Vec<Row> = (0..services.len())
+        .into_par_iter()
+        .map(|k| {
+            let (u, s) = (&cfg.cluster.units[k], &services[k]);
+            let rep = simulate(s, &tables[k], seed)
+                .map_err(|e| anyhow!("{path}: unit {}: {e}", u.name))?;
+            Ok(Row {
+                arrangement: "own stores",
+                unit: u.name.clone(),
+                gpus: gpus(s),
+                rep,
+            })
+        })
+        .collect::<Result<_>>()?;
+    rows.extend(own);
     let mut out = RunOutput::create(&ctx.out)?;
     out.write_table("units", &mut units_table(&rows)?)?;
     let text = summary(&rows, shared.store_peak_bytes);
