@@ -142,6 +142,8 @@ enum What {
 
 struct Pending {
     key: Key,
+    /// When a start, a return or a document begins, in seconds (the generators' own clock, so
+    /// the turns after it are drawn exactly as a whole trace draws them); unused by `Turns`.
     start_s: f64,
     what: What,
 }
