@@ -174,6 +174,11 @@ pub struct DocumentConfig {
     pub answer_tokens: Dist,
     /// Probability that a request is about a document seen before (drawn uniformly from them).
     pub repeat_probability: f64,
+    /// A repeat asks about a document first seen at most this long ago (absent: any document
+    /// seen). Over days, a window keeps repeats on documents still in use rather than on
+    /// every document since the start.
+    #[serde(default)]
+    pub repeat_within: Option<Nanos>,
 }
 
 impl WorkloadConfig {
@@ -420,6 +425,7 @@ mod tests {
                 question_tokens: fixed(50.0),
                 answer_tokens: fixed(300.0),
                 repeat_probability: 0.3,
+                repeat_within: None,
             }),
             diurnal: None,
         };
@@ -460,6 +466,7 @@ mod tests {
             question_tokens: fixed(50.0),
             answer_tokens: fixed(300.0),
             repeat_probability: 0.0,
+            repeat_within: None,
         };
         let e = generate(
             &WorkloadConfig {

@@ -126,8 +126,10 @@ struct DocumentSource {
     sys_len: Vec<u32>,
     starts: Starts,
     next_index: u32,
-    /// Documents seen so far: (segment, tokens, system prompt it was sent with).
+    /// Documents seen so far: (segment, tokens, system prompt it was sent with), and when each
+    /// was first seen (seconds).
     seen: Vec<(SegmentId, u32, usize)>,
+    seen_at: Vec<f64>,
 }
 
 enum What {
@@ -241,6 +243,7 @@ impl Stream {
                 starts: Starts::new(c.requests, c.rate_per_s, hash2(seed, 0xa5), d),
                 next_index: 0,
                 seen: Vec::new(),
+                seen_at: Vec::new(),
             }
         });
         let mut s = Stream {
@@ -519,9 +522,15 @@ impl Stream {
         let src = self.documents.as_mut().expect("documents are configured");
         let c = &src.cfg;
         let rng = &mut src.rng;
-        let repeat = !src.seen.is_empty() && rng.random_bool(c.repeat_probability);
+        // The documents a repeat may ask about: those first seen within the window (in order of
+        // first appearance, so a suffix of `seen`).
+        let first = c.repeat_within.map_or(0, |w| {
+            let since = start_s - w.as_secs_f64();
+            src.seen_at.partition_point(|&t| t < since)
+        });
+        let repeat = first < src.seen.len() && rng.random_bool(c.repeat_probability);
         let (doc, doc_len, sys) = if repeat {
-            src.seen[rng.random_range(0..src.seen.len())]
+            src.seen[rng.random_range(first..src.seen.len())]
         } else {
             let d = (
                 fresh(rng),
@@ -529,6 +538,7 @@ impl Stream {
                 rng.random_range(0..c.system_prompts) as usize,
             );
             src.seen.push(d);
+            src.seen_at.push(start_s);
             d
         };
         let mut chain = ChainBuilder::new(bs);
@@ -634,6 +644,7 @@ mod tests {
                 question_tokens: fixed(50.0),
                 answer_tokens: fixed(100.0),
                 repeat_probability: 0.5,
+                repeat_within: None,
             }),
             diurnal: None,
         }
@@ -759,6 +770,35 @@ mod tests {
         assert!(st.returning_peak < 15_000, "{st:?}");
         assert!(st.queue_peak < 20_000, "{st:?}");
         assert_eq!(st.returning, 0);
+    }
+
+    #[test]
+    fn repeats_within_a_window_ask_about_recent_documents_only() {
+        let mut cfg = returning(0.0);
+        cfg.agent = None;
+        cfg.chat = None;
+        let docs = cfg.documents.as_mut().unwrap();
+        docs.requests = 400;
+        docs.rate_per_s = 0.01;
+        docs.repeat_probability = 0.5;
+        let first_seen = |reqs: &[Request]| {
+            let mut seen = std::collections::BTreeMap::new();
+            reqs.iter()
+                .map(|r| {
+                    let doc = r.content.marks()[1].key;
+                    let at = *seen.entry(doc).or_insert(r.arrival);
+                    r.arrival.saturating_sub(at).as_secs_f64()
+                })
+                .fold(0.0f64, f64::max)
+        };
+        let any = drain(Stream::new(&cfg, 2, 128, None).unwrap());
+        cfg.documents.as_mut().unwrap().repeat_within = Some(Nanos::from_secs(3600));
+        let recent = drain(Stream::new(&cfg, 2, 128, None).unwrap());
+        // 400 documents at 0.01/s span 11 hours: without a window a repeat reaches back hours,
+        // with one of an hour never more than that.
+        assert!(first_seen(&any) > 3.0 * 3600.0, "{}", first_seen(&any));
+        assert!(first_seen(&recent) <= 3600.0, "{}", first_seen(&recent));
+        assert_eq!(any.len(), recent.len());
     }
 
     #[test]
