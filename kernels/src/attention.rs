@@ -1010,7 +1010,15 @@ impl PagedAttention {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
         let sh = &self.shape;
-        self.check_run_buffers(q, kv, layout, rows, tokens_per_split, out)?;
+        check_run_buffers(
+            &self.shape,
+            q,
+            kv,
+            layout,
+            rows.num_q,
+            tokens_per_split,
+            out,
+        )?;
         if rows.num_q == 0 {
             return Ok(());
         }
@@ -1023,32 +1031,6 @@ impl PagedAttention {
         let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
         self.launch_split(gpu, q, kv, layout, rows, (tps, ms), ws, scale, cfg)?;
         self.launch_reduce(gpu, rows, (tps, ms), ws, out)
-    }
-
-    /// The layout and the sizes of `q`, `out` and `kv` fit `rows`, with a positive split.
-    fn check_run_buffers(
-        &self,
-        q: &CudaSlice<bf16>,
-        kv: &CudaView<'_, bf16>,
-        layout: &KvLayout,
-        rows: &DeviceRows,
-        tokens_per_split: usize,
-        out: &CudaSlice<bf16>,
-    ) -> Result<(), KernelError> {
-        let sh = &self.shape;
-        layout.validate(sh)?;
-        ensure(tokens_per_split > 0, || {
-            "tokens_per_split must be positive".into()
-        })?;
-        ensure(q.len() >= rows.num_q * sh.num_heads() * sh.d_qk, || {
-            "q is too short".into()
-        })?;
-        ensure(out.len() >= rows.num_q * sh.num_heads() * sh.d_v, || {
-            "out is too short".into()
-        })?;
-        ensure(kv.len() >= layout.min_len(sh), || {
-            "kv view is shorter than the layout".into()
-        })
     }
 
     /// The split kernel's launch shape over `rows` in `max_splits` splits: per group of query
@@ -1573,6 +1555,32 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
     }
     out.push(check_write(gpu, seed + 100)?);
     Ok(out)
+}
+
+/// The layout and the sizes of `q`, `out` and `kv` fit `num_q` query tokens of `sh`, with a
+/// positive split: what every paged decode kernel (GQA and MLA) checks before a launch.
+pub(crate) fn check_run_buffers(
+    sh: &PagedAttentionShape,
+    q: &CudaSlice<bf16>,
+    kv: &CudaView<'_, bf16>,
+    layout: &KvLayout,
+    num_q: usize,
+    tokens_per_split: usize,
+    out: &CudaSlice<bf16>,
+) -> Result<(), KernelError> {
+    layout.validate(sh)?;
+    ensure(tokens_per_split > 0, || {
+        "tokens_per_split must be positive".into()
+    })?;
+    ensure(q.len() >= num_q * sh.num_heads() * sh.d_qk, || {
+        "q is too short".into()
+    })?;
+    ensure(out.len() >= num_q * sh.num_heads() * sh.d_v, || {
+        "out is too short".into()
+    })?;
+    ensure(kv.len() >= layout.min_len(sh), || {
+        "kv view is shorter than the layout".into()
+    })
 }
 
 #[cfg(test)]

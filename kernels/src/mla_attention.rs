@@ -20,8 +20,8 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernel
 use half::bf16;
 
 use crate::attention::{
-    AttentionWorkspace, BlockTables, KvLayout, PagedAttentionShape, QueryRows, paged_attention_cpu,
-    pick_tokens_per_split, random_tables,
+    AttentionWorkspace, BlockTables, KvLayout, PagedAttentionShape, QueryRows, check_run_buffers,
+    paged_attention_cpu, pick_tokens_per_split, random_tables,
 };
 use crate::check::{BF16_TOL, CheckResult};
 use crate::error::{KernelError, ensure};
@@ -596,7 +596,15 @@ impl MlaAttention {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
         let sh = &self.shape;
-        self.check_run_buffers(q, kv, layout, rows, tokens_per_split, out)?;
+        check_run_buffers(
+            &self.shape,
+            q,
+            kv,
+            layout,
+            rows.num_q,
+            tokens_per_split,
+            out,
+        )?;
         if rows.num_q == 0 {
             return Ok(());
         }
@@ -617,32 +625,6 @@ impl MlaAttention {
         )?;
         let (tps, ms) = (tokens_per_split as i32, max_splits as i32);
         self.launch_reduce(gpu, rows, (tps, ms), ws, out)
-    }
-
-    /// The layout and the sizes of `q`, `out` and `kv` fit `rows`, with a positive split.
-    fn check_run_buffers(
-        &self,
-        q: &CudaSlice<bf16>,
-        kv: &CudaView<'_, bf16>,
-        layout: &KvLayout,
-        rows: &MlaRows,
-        tokens_per_split: usize,
-        out: &CudaSlice<bf16>,
-    ) -> Result<(), KernelError> {
-        let sh = &self.shape;
-        layout.validate(sh)?;
-        ensure(tokens_per_split > 0, || {
-            "tokens_per_split must be positive".into()
-        })?;
-        ensure(q.len() >= rows.num_q * sh.num_heads() * sh.d_qk, || {
-            "q is too short".into()
-        })?;
-        ensure(out.len() >= rows.num_q * sh.num_heads() * sh.d_v, || {
-            "out is too short".into()
-        })?;
-        ensure(kv.len() >= layout.min_len(sh), || {
-            "kv view is shorter than the layout".into()
-        })
     }
 
     /// Launches the split kernel of the rows' tiles (compiled on first use): each split's
