@@ -2,27 +2,13 @@
 //! `hit` and `replay`, and errors that name the file, line and field.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
-fn servelab(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_servelab"))
-        .args(args)
-        .output()
-        .expect("servelab runs")
-}
+mod common;
+use common::{servelab, stderr, stdout};
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("servelab-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    common::scratch("cli", name)
 }
 
 const SMALL: &str = r#"

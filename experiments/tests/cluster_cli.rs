@@ -1,7 +1,7 @@
 //! `servelab run` of a `cluster` config: two units of different sizes on one store, beside the
 //! same units on stores of their own.
 
-use std::process::Command;
+mod common;
 
 const SMALL: &str = r#"
 [experiment]
@@ -42,16 +42,11 @@ think_time_s = { kind = "fixed", value = 5.0 }
 
 #[test]
 fn cluster_writes_each_unit_in_both_arrangements() {
-    let d = std::env::temp_dir().join(format!("servelab-cluster-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
+    let d = common::scratch("cluster", "run");
     let cfg = d.join("small.toml");
     std::fs::write(&cfg, SMALL).unwrap();
     let out = d.join("out");
-    let o = Command::new(env!("CARGO_BIN_EXE_servelab"))
-        .args(["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let o = common::servelab(&["run", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let units = std::fs::read_to_string(out.join("units.csv")).unwrap();
     let rows: Vec<&str> = units.lines().collect();

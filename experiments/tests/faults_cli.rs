@@ -3,20 +3,13 @@
 //! gives the same bytes.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn servelab(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_servelab"))
-        .args(args)
-        .output()
-        .expect("servelab runs")
-}
+mod common;
+use common::servelab;
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("servelab-faults-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch("faults", name)
 }
 
 fn run(config: &str, out: &Path, sets: &[&str]) -> Output {

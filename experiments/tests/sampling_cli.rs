@@ -1,21 +1,11 @@
 //! `servelab run` of a `sampling` config: a small unit on every session and on half of them,
 //! the errors computed against the full run, and a rate that does not divide the unit refused.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
+mod common;
+use common::servelab;
 
-fn servelab(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_servelab"))
-        .args(args)
-        .output()
-        .expect("servelab runs")
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("servelab-sampling-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn scratch(name: &str) -> std::path::PathBuf {
+    common::scratch("sampling", name)
 }
 
 /// 4 prefill engines (2 machines) and 4 decode groups of 2 ranks (4 machines).

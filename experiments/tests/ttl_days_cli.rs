@@ -1,22 +1,15 @@
 //! `servelab run` of a `ttl-days` config: the outputs a user reads, the same files whatever
 //! the number of threads, and bad input named by file and field.
 
+mod common;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn servelab(args: &[&str], threads: &str) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_servelab"))
-        .args(args)
-        .env("RAYON_NUM_THREADS", threads)
-        .output()
-        .expect("servelab runs")
+fn servelab(args: &[&str], threads: &str) -> std::process::Output {
+    common::servelab_with(args, &[("RAYON_NUM_THREADS", threads)])
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("servelab-ttl-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch("ttl", name)
 }
 
 /// Three days of a small mix: chat that returns within days, agents within hours, documents.

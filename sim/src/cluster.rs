@@ -56,9 +56,12 @@ pub fn unit_service(base: &ServiceConfig, u: &UnitSize) -> Result<ServiceConfig,
     let mut s = base.clone();
     s.prefill.gpus = u.prefill_gpus;
     s.decode.groups = u.decode_groups;
-    let machines = u.prefill_gpus.div_ceil(s.prefill.gpus_per_machine.max(1))
-        + (u.decode_groups * s.decode.ranks).div_ceil(s.decode.gpus_per_machine.max(1));
-    s.swa.machines = machines;
+    s.swa.machines = u32::try_from(s.machines()).map_err(|_| {
+        ConfigError::invalid(
+            "cluster.units",
+            format!("unit `{}` has more machines than a unit can number", u.name),
+        )
+    })?;
     s.validate()?;
     Ok(s)
 }
@@ -66,10 +69,7 @@ pub fn unit_service(base: &ServiceConfig, u: &UnitSize) -> Result<ServiceConfig,
 /// The unit each request goes to: by a hash of its session (or, outside any, its id), in
 /// proportion to the units' GPUs.
 pub fn route(requests: &[Request], services: &[ServiceConfig], seed: u64) -> Vec<Vec<Request>> {
-    let weights: Vec<u64> = services
-        .iter()
-        .map(|s| u64::from(s.prefill.gpus + s.decode.groups * s.decode.ranks))
-        .collect();
+    let weights: Vec<u64> = services.iter().map(|s| u64::from(s.gpus())).collect();
     let total: u64 = weights.iter().sum();
     let salt = sub_seed(seed, "cluster.route");
     let mut out = vec![Vec::new(); services.len()];

@@ -201,6 +201,22 @@ impl ServiceConfig {
         self.validate_environment()
     }
 
+    /// GPUs of the unit: its prefill engines and the ranks of its decode groups (saturating:
+    /// the counts come from input).
+    pub fn gpus(&self) -> u32 {
+        let decode = self.decode.groups.saturating_mul(self.decode.ranks);
+        self.prefill.gpus.saturating_add(decode)
+    }
+
+    /// Machines of the unit, prefill and decode (each holds SWA state). In 64 bits: groups ×
+    /// ranks comes from input and may not fit in 32. Machine sizes must be positive.
+    pub fn machines(&self) -> u64 {
+        let (p, d) = (&self.prefill, &self.decode);
+        u64::from(p.gpus).div_ceil(u64::from(p.gpus_per_machine.max(1)))
+            + (u64::from(d.groups) * u64::from(d.ranks))
+                .div_ceil(u64::from(d.gpus_per_machine.max(1)))
+    }
+
     fn validate_environment(&self) -> Result<(), ConfigError> {
         let p = &self.prefill;
         let d = &self.decode;
@@ -210,9 +226,7 @@ impl ServiceConfig {
                 "machine sizes must be positive",
             ));
         }
-        // In 64 bits: groups × ranks comes from input and may not fit in 32.
-        let machines = u64::from(p.gpus).div_ceil(u64::from(p.gpus_per_machine))
-            + (u64::from(d.groups) * u64::from(d.ranks)).div_ceil(u64::from(d.gpus_per_machine));
+        let machines = self.machines();
         if u64::from(self.swa.machines) < machines {
             return Err(ConfigError::invalid(
                 "swa.machines",

@@ -13,7 +13,7 @@
 //! [`Trace`] is that stream collected.
 
 use crate::dist::Dist;
-use crate::stream::Stream;
+use crate::stream::{SessionSample, Stream};
 pub use crate::visit::Revisits;
 use crate::{MAX_GENERATED_REQUESTS, Trace};
 use serde::{Deserialize, Serialize};
@@ -296,7 +296,17 @@ fn probability(v: f64, field: &str) -> Result<(), ConfigError> {
 /// [`Stream`] of the config, collected (refused past [`MAX_GENERATED_REQUESTS`] requests or
 /// [`crate::MAX_TRACE_BLOCKS`] block keys, so no config can ask for unbounded work).
 pub fn generate(cfg: &WorkloadConfig, seed: u64, block_tokens: u32) -> Result<Trace, ConfigError> {
-    let mut stream = Stream::new(cfg, seed, block_tokens, None)?.with_block_budget();
+    generate_sampled(cfg, seed, block_tokens, None)
+}
+
+/// [`generate`] keeping the sessions (and documents) `sample` keeps.
+pub fn generate_sampled(
+    cfg: &WorkloadConfig,
+    seed: u64,
+    block_tokens: u32,
+    sample: Option<SessionSample>,
+) -> Result<Trace, ConfigError> {
+    let mut stream = Stream::new(cfg, seed, block_tokens, sample)?.with_block_budget();
     let mut requests = Vec::new();
     while let Some(r) = stream.next_request()? {
         if requests.len() as u64 >= MAX_GENERATED_REQUESTS {

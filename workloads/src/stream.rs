@@ -18,8 +18,8 @@ use crate::BlockBudget;
 use crate::dist::Dist;
 use crate::generate::{AgentConfig, ChatConfig, Diurnal, DocumentConfig, WorkloadConfig};
 use crate::visit::{
-    Draft, Epoch, Key, Session, Visit, agent_visit, arrival, chat_visit, fresh, push_segment,
-    system_prompt_lengths, system_segment,
+    Draft, Epoch, Key, Revisits, Session, Visit, agent_visit, arrival, chat_visit, fresh,
+    push_segment, system_prompt_lengths, system_segment,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -107,6 +107,41 @@ impl Starts {
 enum SessionClass {
     Agent,
     Chat,
+}
+
+impl SessionClass {
+    fn of(class: TrafficClass) -> Self {
+        if class == TrafficClass::Agent {
+            SessionClass::Agent
+        } else {
+            SessionClass::Chat
+        }
+    }
+    fn traffic(self) -> TrafficClass {
+        match self {
+            SessionClass::Agent => TrafficClass::Agent,
+            SessionClass::Chat => TrafficClass::Chat,
+        }
+    }
+    /// The config section, for errors.
+    fn field(self) -> &'static str {
+        match self {
+            SessionClass::Agent => "workload.agent",
+            SessionClass::Chat => "workload.chat",
+        }
+    }
+    fn revisits_field(self) -> &'static str {
+        match self {
+            SessionClass::Agent => "workload.agent.revisits",
+            SessionClass::Chat => "workload.chat.revisits",
+        }
+    }
+    fn system_tag(self) -> &'static str {
+        match self {
+            SessionClass::Agent => "agent.system",
+            SessionClass::Chat => "chat.system",
+        }
+    }
 }
 
 /// The sessions of one class: their starts, system prompts and numbering.
@@ -358,6 +393,26 @@ impl Stream {
         }
     }
 
+    /// The first visit's turns and the returns of a session class's config.
+    fn session_config(&self, class: SessionClass) -> (&Dist, Option<&Revisits>) {
+        match class {
+            SessionClass::Agent => {
+                let a = self
+                    .agent_cfg
+                    .as_ref()
+                    .expect("agent sessions are configured");
+                (&a.turns, a.revisits.as_ref())
+            }
+            SessionClass::Chat => {
+                let c = self
+                    .chat_cfg
+                    .as_ref()
+                    .expect("chat sessions are configured");
+                (&c.turns, c.revisits.as_ref())
+            }
+        }
+    }
+
     /// Queues the class's next session start, if one is left.
     fn queue_start(&mut self, class: SessionClass) -> Result<(), ConfigError> {
         let Some(src) = self.source(class) else {
@@ -366,19 +421,8 @@ impl Stream {
         let Some(t) = src.starts.next() else {
             return Ok(());
         };
-        let (id, tc, field) = match class {
-            SessionClass::Agent => (
-                src.first_id + src.next_index,
-                TrafficClass::Agent,
-                "workload.agent",
-            ),
-            SessionClass::Chat => (
-                src.first_id + src.next_index,
-                TrafficClass::Chat,
-                "workload.chat",
-            ),
-        };
-        let key = (arrival(t, field)?, tc, Some(id), 0);
+        let id = src.first_id + src.next_index;
+        let key = (arrival(t, class.field())?, class.traffic(), Some(id), 0);
         self.push(key, t, What::Start(class));
         Ok(())
     }
@@ -387,32 +431,7 @@ impl Stream {
     fn start_session(&mut self, class: SessionClass) -> Result<Option<Box<Session>>, ConfigError> {
         let sample = self.sample;
         let bs = self.block_tokens;
-        let (turns, tag, field, tc) = match class {
-            SessionClass::Agent => {
-                let a = self
-                    .agent_cfg
-                    .as_ref()
-                    .expect("agent sessions are configured");
-                (
-                    a.turns.clone(),
-                    "agent.system",
-                    "workload.agent",
-                    TrafficClass::Agent,
-                )
-            }
-            SessionClass::Chat => {
-                let c = self
-                    .chat_cfg
-                    .as_ref()
-                    .expect("chat sessions are configured");
-                (
-                    c.turns.clone(),
-                    "chat.system",
-                    "workload.chat",
-                    TrafficClass::Chat,
-                )
-            }
-        };
+        let turns = self.session_config(class).0.clone();
         let src = self.source(class).expect("the class has a source");
         let index = src.next_index;
         src.next_index += 1;
@@ -420,7 +439,8 @@ impl Stream {
         if sample.is_some_and(|s| !s.keeps(id)) {
             return Ok(None);
         }
-        let epoch = Epoch::new(bs, field);
+        let epoch = Epoch::new(bs, class.field());
+        let (tc, tag) = (class.traffic(), class.system_tag());
         Session::start(src.seed, index, id, tc, &turns, tag, &src.sys_len, epoch)
             .map(|s| Some(Box::new(s)))
     }
@@ -464,33 +484,17 @@ impl Stream {
 
     /// After a session's visit: queues its return, if it comes back.
     fn queue_return(&mut self, mut s: Box<Session>) -> Result<(), ConfigError> {
-        let (class, tc, revisits, field) = if s.class == TrafficClass::Agent {
-            let a = self
-                .agent_cfg
-                .as_ref()
-                .expect("agent sessions are configured");
-            (
-                SessionClass::Agent,
-                TrafficClass::Agent,
-                a.revisits.as_ref(),
-                "workload.agent.revisits",
-            )
-        } else {
-            let c = self
-                .chat_cfg
-                .as_ref()
-                .expect("chat sessions are configured");
-            (
-                SessionClass::Chat,
-                TrafficClass::Chat,
-                c.revisits.as_ref(),
-                "workload.chat.revisits",
-            )
-        };
+        let class = SessionClass::of(s.class);
+        let revisits = self.session_config(class).1;
         let Some(at_s) = s.next_visit(revisits) else {
             return Ok(());
         };
-        let key = (arrival(at_s, field)?, tc, Some(s.id), s.turns_sent);
+        let key = (
+            arrival(at_s, class.revisits_field())?,
+            class.traffic(),
+            Some(s.id),
+            s.turns_sent,
+        );
         self.stats.returning += 1;
         self.stats.returning_peak = self.stats.returning_peak.max(self.stats.returning);
         self.push(key, at_s, What::Return(class, s));
@@ -578,7 +582,6 @@ impl Stream {
 mod tests {
     use super::*;
     use crate::generate::{Pacing, generate};
-    use crate::visit::Revisits;
     use std::collections::BTreeMap;
 
     fn fixed(v: f64) -> Dist {

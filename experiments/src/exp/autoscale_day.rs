@@ -134,7 +134,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
 /// pools), sampled requests, those within both SLOs, and revenue (the sample × its rate).
 fn hours(rep: &ServiceReport, s: &ServiceConfig, day: &Day) -> Vec<Hour> {
     let n = (rep.simulated_s / 3600.0).ceil().max(1.0) as usize;
-    let fixed_gpus = f64::from(s.prefill.gpus + s.decode.groups * s.decode.ranks);
+    let fixed_gpus = f64::from(s.gpus());
     let mut h: Vec<Hour> = (0..n)
         .map(|i| {
             let span = (rep.simulated_s - 3600.0 * i as f64).clamp(0.0, 3600.0);

@@ -42,10 +42,6 @@ struct Row {
     rep: ServiceReport,
 }
 
-fn gpus(s: &ServiceConfig) -> u32 {
-    s.prefill.gpus + s.decode.groups * s.decode.ranks
-}
-
 pub fn run(ctx: &RunContext) -> Result<()> {
     let cfg: Config = ctx.config.parse()?;
     let path = ctx.config.path.display().to_string();
@@ -71,7 +67,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         .map(|((unit, rep), s)| Row {
             arrangement: "shared store",
             unit,
-            gpus: gpus(s),
+            gpus: s.gpus(),
             rep,
         })
         .collect();
@@ -87,7 +83,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             Ok(Row {
                 arrangement: "own stores",
                 unit: u.name.clone(),
-                gpus: gpus(s),
+                gpus: s.gpus(),
                 rep,
             })
         })

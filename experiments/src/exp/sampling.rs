@@ -18,8 +18,8 @@ use serde::Deserialize;
 use servelab_core::seed::sub_seed;
 use servelab_sim::service::{ServiceConfig, ServiceReport, run as simulate};
 use servelab_workloads::Trace;
-use servelab_workloads::generate::WorkloadConfig;
-use servelab_workloads::stream::{SessionSample, Stream};
+use servelab_workloads::generate::{WorkloadConfig, generate_sampled};
+use servelab_workloads::stream::SessionSample;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -106,12 +106,7 @@ fn trace(w: &WorkloadConfig, seed: u64, bs: u32, one_in: u32) -> Result<Trace> {
         one_in,
         seed: sub_seed(seed, "sampling.sessions"),
     });
-    let mut s = Stream::new(w, seed, bs, sample)?;
-    let mut requests = Vec::new();
-    while let Some(r) = s.next_request()? {
-        requests.push(r);
-    }
-    Ok(Trace::new(bs, requests))
+    Ok(generate_sampled(w, seed, bs, sample)?)
 }
 
 fn run_point(cfg: &Config, seed: u64, one_in: u32) -> Result<Point> {
@@ -121,7 +116,7 @@ fn run_point(cfg: &Config, seed: u64, one_in: u32) -> Result<Point> {
     let rep = simulate(&s, &t.requests, seed)?;
     Ok(Point {
         one_in,
-        gpus: s.prefill.gpus + s.decode.groups * s.decode.ranks,
+        gpus: s.gpus(),
         rep,
         wall_s: started.elapsed().as_secs_f64(),
     })
