@@ -165,6 +165,40 @@ fn read(path: &std::path::Path) -> Result<String, CommandError> {
     })
 }
 
+impl HwCommand {
+    /// A `conformance` command's options and its `--sensitivity` flag (`None` for another
+    /// command).
+    pub fn into_conformance(self) -> Option<(ConformanceOptions, bool)> {
+        match self {
+            HwCommand::Conformance {
+                config,
+                out,
+                profile,
+                record,
+                clock,
+                date,
+                commit,
+                prefix,
+                sensitivity,
+                ..
+            } => Some((
+                ConformanceOptions {
+                    config,
+                    out,
+                    profile,
+                    record,
+                    clock,
+                    date,
+                    commit,
+                    prefix,
+                },
+                sensitivity,
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// Runs one command: results to stdout, progress through `log`. Fails when a GPU command
 /// finds no GPU ([`CommandError::NoGpu`]) and when a conformance record does not replay to
 /// the same plans.
@@ -331,30 +365,9 @@ fn conformance_dry_run(
 
 /// `conformance`: the GPU run (or a record) replayed plan by plan; fails on a mismatch.
 fn conformance(cmd: HwCommand, log: &mut dyn FnMut(&str)) -> Result<(), CommandError> {
-    let HwCommand::Conformance {
-        config,
-        out,
-        profile,
-        record,
-        clock,
-        date,
-        commit,
-        prefix,
-        ..
-    } = cmd
-    else {
-        unreachable!("run passes only conformance commands here");
-    };
-    let o = ConformanceOptions {
-        config,
-        out,
-        profile,
-        record,
-        clock,
-        date,
-        commit,
-        prefix,
-    };
+    let (o, _) = cmd
+        .into_conformance()
+        .expect("run passes only conformance commands here");
     let (_, check) = commands::conformance(&o, log)?;
     println!(
         "{} plans, {} mismatched in the replay (the comparison with the simulator: \

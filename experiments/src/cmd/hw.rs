@@ -22,33 +22,13 @@ pub struct Args {
 /// The hw crate's errors already name what failed.
 pub fn run(args: Args) -> Result<()> {
     let log = &mut |l: &str| eprintln!("{l}");
-    match args.command {
-        HwCommand::Conformance {
-            config,
-            out,
-            profile,
-            record,
-            dry_run: false,
-            clock,
-            date,
-            commit,
-            prefix,
-            sensitivity,
-        } => {
-            let o = ConformanceOptions {
-                config,
-                out,
-                profile,
-                record,
-                clock,
-                date,
-                commit,
-                prefix,
-            };
-            conformance(&o, sensitivity, log)
-        }
-        cmd => servelab_hw::cli::run(cmd, log).map_err(|e| anyhow!("{e}")),
+    let cmd = args.command;
+    // Without `--dry-run`, conformance is run here: the comparison needs the simulator.
+    if matches!(cmd, HwCommand::Conformance { dry_run: false, .. }) {
+        let (o, sensitivity) = cmd.into_conformance().expect("a conformance command");
+        return conformance(&o, sensitivity, log);
     }
+    servelab_hw::cli::run(cmd, log).map_err(|e| anyhow!("{e}"))
 }
 
 /// Records (or loads) and replays the GPU run, then compares it with the simulator's runs of
