@@ -6,6 +6,9 @@ use clap::Parser;
 use servelab_experiments::cli::{Cli, dispatch};
 use std::process::ExitCode;
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     servelab_hw::cli::end_quietly_on_closed_pipe();
     match dispatch(Cli::parse()) {

@@ -12,10 +12,12 @@ use crate::env::VirtualEnv;
 use crate::profile::{HardwareProfile, ProfileFiles};
 use crate::service::{ServiceConfig, ServiceError};
 use serde::{Deserialize, Serialize};
+use servelab_core::Nanos;
 use servelab_core::content::hash2;
 use servelab_core::seed::sub_seed;
 use servelab_core::swa::SwaCache;
 use servelab_core::unit::drive::NoObserver;
+use servelab_core::unit::shared::StoreAccess;
 use servelab_core::unit::{Member, ServiceReport, ServingUnit, SharedCache};
 use servelab_core::{ConfigError, Request};
 
@@ -89,29 +91,70 @@ pub fn route(requests: &[Request], services: &[ServiceConfig], seed: u64) -> Vec
     out
 }
 
+/// How a cluster's units are run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterRun {
+    /// 0: one input at a time in (time, unit) order, every write visible to every unit at
+    /// once. Otherwise the units run side by side in windows of this length: a unit sees the
+    /// others' writes from the next window boundary on ([`servelab_core::store::window`]).
+    #[serde(default)]
+    pub window: Nanos,
+    /// Threads for the windows (1 or more; results do not depend on it).
+    #[serde(default = "one_thread")]
+    pub threads: u32,
+}
+
+fn one_thread() -> u32 {
+    1
+}
+
+impl Default for ClusterRun {
+    fn default() -> Self {
+        ClusterRun {
+            window: Nanos::ZERO,
+            threads: 1,
+        }
+    }
+}
+
+impl ClusterRun {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.threads == 0 {
+            return Err(ConfigError::invalid("cluster.threads", "at least 1"));
+        }
+        if self.window == Nanos::ZERO && self.threads > 1 {
+            return Err(ConfigError::invalid(
+                "cluster.threads",
+                "more than one thread needs a window (cluster.window > 0)",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Runs the cluster of `units` (sizes) over `requests` (sorted by arrival), every unit's
-/// devices on the cost model of `base.profile`, all of them sharing `base.store`.
+/// devices on the cost model of `base.profile`, all of them sharing `base.store`, one input
+/// at a time.
 pub fn run(
     base: &ServiceConfig,
     units: &[UnitSize],
     requests: &[Request],
     seed: u64,
 ) -> Result<ClusterReport, ServiceError> {
-    if units.is_empty() {
-        return Err(ConfigError::invalid("cluster.units", "at least one unit").into());
-    }
-    if base.store.has_failures() || !base.faults.is_default() || base.autoscale.is_some() {
-        return Err(ConfigError::invalid(
-            "service",
-            "a cluster's units share one store: its failures, the fault schedules and the \
-             autoscaler are not modelled across units",
-        )
-        .into());
-    }
-    let services: Vec<ServiceConfig> = units
-        .iter()
-        .map(|u| unit_service(base, u))
-        .collect::<Result<_, _>>()?;
+    run_with(base, units, requests, seed, ClusterRun::default())
+}
+
+/// [`run`] as `how` says.
+pub fn run_with(
+    base: &ServiceConfig,
+    units: &[UnitSize],
+    requests: &[Request],
+    seed: u64,
+    how: ClusterRun,
+) -> Result<ClusterReport, ServiceError> {
+    how.validate()?;
+    let services = check_cluster(base, units)?;
     let tables = route(requests, &services, seed);
     let profile = HardwareProfile::resolve(&base.profile)?;
     let mut shared = SharedCache::new(
@@ -123,21 +166,69 @@ pub fn run(
     for (k, (s, reqs)) in services.iter().zip(&tables).enumerate() {
         // Unit 0 runs on the run's seed, so that a cluster of one unit is that unit.
         let unit_seed = if k == 0 { seed } else { hash2(seed, k as u64) };
-        let mut unit = ServingUnit::new(s.unit_config(&profile), reqs)?;
-        unit.set_fetch_stripes(s.fetch.stripes as usize);
-        shared.store.reserve(unit.store_objects_bound());
-        let backend = CostModel::new(
-            profile.clone(),
-            &s.acceptance,
-            s.constants.draft_tokens,
-            s.swap_in,
-            unit_seed,
-        );
-        let env = VirtualEnv::new(s, backend, reqs, unit_seed)?;
-        let swa = SwaCache::new(s.swa.clone())?;
-        members.push(Member { unit, env, swa });
+        members.push(member(s, &profile, reqs, unit_seed, &mut shared)?);
     }
-    servelab_core::unit::run_cluster(&mut members, &mut shared, &mut NoObserver)?;
+    if how.window == Nanos::ZERO {
+        servelab_core::unit::run_cluster(&mut members, &mut shared, &mut NoObserver)?;
+    } else {
+        let store = std::mem::replace(&mut shared.store, StoreAccess::Window(Default::default()));
+        let store = crate::windows::run(&mut members, store.into_owned(), how)?;
+        shared.store = StoreAccess::Owned(store);
+    }
+    report(units, members, shared)
+}
+
+/// The units' service configs, after the checks a cluster adds.
+fn check_cluster(
+    base: &ServiceConfig,
+    units: &[UnitSize],
+) -> Result<Vec<ServiceConfig>, ServiceError> {
+    if units.is_empty() {
+        return Err(ConfigError::invalid("cluster.units", "at least one unit").into());
+    }
+    if base.store.has_failures() || !base.faults.is_default() || base.autoscale.is_some() {
+        return Err(ConfigError::invalid(
+            "service",
+            "a cluster's units share one store: its failures, the fault schedules and the \
+             autoscaler are not modelled across units",
+        )
+        .into());
+    }
+    Ok(units
+        .iter()
+        .map(|u| unit_service(base, u))
+        .collect::<Result<_, _>>()?)
+}
+
+/// One unit of the cluster, on its own seed, over its routed requests.
+fn member<'a>(
+    s: &ServiceConfig,
+    profile: &HardwareProfile,
+    reqs: &'a [Request],
+    unit_seed: u64,
+    shared: &mut SharedCache,
+) -> Result<Member<'a, VirtualEnv>, ServiceError> {
+    let mut unit = ServingUnit::new(s.unit_config(profile), reqs)?;
+    unit.set_fetch_stripes(s.fetch.stripes as usize);
+    shared.store.reserve(unit.store_objects_bound());
+    let backend = CostModel::new(
+        profile.clone(),
+        &s.acceptance,
+        s.constants.draft_tokens,
+        s.swap_in,
+        unit_seed,
+    );
+    let env = VirtualEnv::new(s, backend, reqs, unit_seed)?;
+    let swa = SwaCache::new(s.swa.clone())?;
+    Ok(Member { unit, env, swa })
+}
+
+/// Each unit's report, each unit reading the store the run left (and its own SWA cache).
+fn report(
+    units: &[UnitSize],
+    members: Vec<Member<'_, VirtualEnv>>,
+    mut shared: SharedCache,
+) -> Result<ClusterReport, ServiceError> {
     let mut reports = Vec::with_capacity(members.len());
     for (u, mut m) in units.iter().zip(members) {
         std::mem::swap(&mut shared.swa, &mut m.swa);
@@ -157,6 +248,7 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use servelab_core::unit::Histogram;
     use servelab_workloads::dist::Dist;
     use servelab_workloads::generate::{ChatConfig, Pacing, WorkloadConfig, generate};
 
@@ -260,5 +352,103 @@ mod tests {
         let again = run(&s, &units, &reqs, 7).unwrap();
         assert_eq!(again.hit_rate(), c.hit_rate());
         assert_eq!(again.store_peak_bytes, c.store_peak_bytes);
+    }
+
+    fn two_units() -> [UnitSize; 2] {
+        [
+            UnitSize {
+                name: "big".into(),
+                prefill_gpus: 4,
+                decode_groups: 2,
+            },
+            UnitSize {
+                name: "small".into(),
+                prefill_gpus: 2,
+                decode_groups: 1,
+            },
+        ]
+    }
+
+    fn windowed(ms: u64, threads: u32) -> ClusterRun {
+        ClusterRun {
+            window: servelab_core::Nanos::from_millis(ms),
+            threads,
+        }
+    }
+
+    /// Everything a unit's report says about its requests.
+    fn fingerprint(c: &ClusterReport) -> Vec<(u64, u64, u64, u64, Histogram, Histogram)> {
+        c.units
+            .iter()
+            .map(|(_, r)| {
+                (
+                    r.arrivals,
+                    r.completed,
+                    r.hit_tokens,
+                    r.events,
+                    r.all.ttft_ns.clone(),
+                    r.all.tpot_ns.clone(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn windowed_runs_do_not_depend_on_the_thread_count() {
+        let (s, reqs) = small();
+        let units = two_units();
+        let one = run_with(&s, &units, &reqs, 7, windowed(20, 1)).unwrap();
+        let two = run_with(&s, &units, &reqs, 7, windowed(20, 2)).unwrap();
+        let three = run_with(&s, &units, &reqs, 7, windowed(20, 3)).unwrap();
+        assert_eq!(fingerprint(&one), fingerprint(&two));
+        assert_eq!(fingerprint(&one), fingerprint(&three));
+        assert_eq!(one.store_peak_bytes, two.store_peak_bytes);
+        assert_eq!(one.store_used_bytes, three.store_used_bytes);
+        assert!(one.hit_rate() > 0.0);
+    }
+
+    #[test]
+    fn one_unit_in_windows_is_the_unit_run_alone() {
+        // Without charged writes nothing reaches a unit a window late: its own writes are in
+        // its overlay at once, so windows change nothing for a unit alone.
+        let (mut s, reqs) = small();
+        s.store.node.charge_writes = false;
+        let one = [UnitSize {
+            name: "a".into(),
+            prefill_gpus: 4,
+            decode_groups: 2,
+        }];
+        let exact = run(&s, &one, &reqs, 7).unwrap();
+        let w = run_with(&s, &one, &reqs, 7, windowed(5, 1)).unwrap();
+        assert_eq!(fingerprint(&exact), fingerprint(&w));
+        assert_eq!(exact.store_used_bytes, w.store_used_bytes);
+    }
+
+    #[test]
+    fn short_windows_stay_close_to_the_sequential_run() {
+        let (s, reqs) = small();
+        let units = two_units();
+        let exact = run(&s, &units, &reqs, 7).unwrap();
+        let w = run_with(&s, &units, &reqs, 7, windowed(1, 2)).unwrap();
+        let d = (w.hit_rate() - exact.hit_rate()).abs();
+        assert!(
+            d < 0.005,
+            "hit rate {} against {}",
+            w.hit_rate(),
+            exact.hit_rate()
+        );
+        let n = |c: &ClusterReport| c.units.iter().map(|(_, r)| r.completed).sum::<u64>();
+        assert_eq!(n(&exact), n(&w));
+    }
+
+    #[test]
+    fn thread_counts_need_a_window() {
+        let (s, reqs) = small();
+        let bad = ClusterRun {
+            window: servelab_core::Nanos::ZERO,
+            threads: 2,
+        };
+        let e = run_with(&s, &two_units(), &reqs, 7, bad).err().unwrap();
+        assert!(e.to_string().contains("cluster.threads"), "{e}");
     }
 }

@@ -11,3 +11,4 @@ pub mod mrc;
 pub mod profile;
 pub mod replay;
 pub mod service;
+mod windows;

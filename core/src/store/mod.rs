@@ -21,6 +21,7 @@ pub mod nodes;
 mod table;
 #[cfg(test)]
 mod tests;
+pub mod window;
 
 pub use cluster::{ClusterStats, NodeChange, RebuildPlan};
 pub use config::{
@@ -269,6 +270,28 @@ impl KvStore {
     pub fn holds(&self, key: BlockKey) -> bool {
         let slab = &self.slab;
         self.map.find(key.0, |i| slab[i as usize].key.0).1
+    }
+
+    /// Whether `key` is stored and its TTL has not passed at `now`, without moving the clock:
+    /// what [`Self::contains`] would answer, read-only (a store shared by the threads of a
+    /// parallel run is read through this).
+    #[inline]
+    pub fn holds_at(&self, now: Nanos, key: BlockKey) -> bool {
+        let slab = &self.slab;
+        match self.map.get(key, |i| slab[i as usize].key.0) {
+            Some(idx) => slab[idx as usize].expires > now.max(self.now),
+            None => false,
+        }
+    }
+
+    /// When the next object expires (`NEVER` if none will).
+    pub fn next_expiry(&self) -> Nanos {
+        (0..3)
+            .map(|c| self.expiry[c].head)
+            .filter(|&h| h != NIL)
+            .map(|h| self.slab[h as usize].expires)
+            .min()
+            .unwrap_or(Nanos::NEVER)
     }
 
     /// Moves the store's clock to `now` and deletes every object whose TTL has passed.

@@ -112,8 +112,9 @@ pub fn run<E: Environment, O: Observer>(
 }
 
 /// One input through the unit: the caches brought to `now`, the input handled, every output
-/// carried out. The one step of [`run`] and [`run_cluster`].
-fn step<E: Environment, O: Observer>(
+/// carried out. The one step of [`run`] and [`run_cluster`], and of the parallel cluster
+/// driver (`servelab_sim::cluster`).
+pub fn step<E: Environment, O: Observer>(
     unit: &mut ServingUnit<'_>,
     shared: &mut SharedCache,
     env: &mut E,

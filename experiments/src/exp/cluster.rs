@@ -10,8 +10,9 @@ use anyhow::{Result, anyhow};
 use polars::prelude::*;
 use rayon::prelude::*;
 use serde::Deserialize;
+use servelab_core::Nanos;
 use servelab_core::unit::ServiceReport;
-use servelab_sim::cluster::{UnitSize, route, run as run_cluster, unit_service};
+use servelab_sim::cluster::{ClusterReport, ClusterRun, UnitSize, route, run_with, unit_service};
 use servelab_sim::service::{ServiceConfig, run as simulate};
 use servelab_workloads::generate::WorkloadConfig;
 use std::collections::BTreeMap;
@@ -32,11 +33,30 @@ struct Config {
 #[serde(deny_unknown_fields)]
 struct Cluster {
     units: Vec<UnitSize>,
+    /// 0 (the default): the units one input at a time, every write visible at once. Otherwise
+    /// the units also run side by side in windows this long, once per entry of `threads`
+    /// (side by side in one run: the speed-up, and a check that outputs do not move).
+    #[serde(default)]
+    window: Nanos,
+    #[serde(default = "one_thread")]
+    threads: Vec<u32>,
+}
+
+fn one_thread() -> Vec<u32> {
+    vec![1]
+}
+
+/// One timed run of the shared-store cluster.
+struct Timed {
+    label: String,
+    threads: u32,
+    wall_s: f64,
+    report: ClusterReport,
 }
 
 /// One unit's figures in one arrangement.
 struct Row {
-    arrangement: &'static str,
+    arrangement: String,
     unit: String,
     gpus: u32,
     rep: ServiceReport,
@@ -56,21 +76,29 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         .map(|u| unit_service(&cfg.service, u))
         .collect::<Result<_, _>>()
         .map_err(|e| anyhow!("{path}: {e}"))?;
-    let started = Instant::now();
-    let shared = run_cluster(&cfg.service, &cfg.cluster.units, &trace.requests, seed)
-        .map_err(|e| anyhow!("{path}: {e}"))?;
-    let wall = started.elapsed().as_secs_f64();
-    let mut rows: Vec<Row> = shared
-        .units
-        .into_iter()
-        .zip(&services)
-        .map(|((unit, rep), s)| Row {
-            arrangement: "shared store",
-            unit,
-            gpus: s.gpus(),
-            rep,
-        })
-        .collect();
+    let runs = shared_runs(&cfg, &trace.requests, seed).map_err(|e| anyhow!("{path}: {e}"))?;
+    check_thread_counts(&runs)?;
+    let mut rows = Vec::new();
+    // The sequential run, and the windowed run on the most threads (the others gave the same).
+    let shown = if runs.len() > 1 {
+        vec![&runs[0], &runs[runs.len() - 1]]
+    } else {
+        vec![&runs[0]]
+    };
+    for t in shown {
+        rows.extend(
+            t.report
+                .units
+                .iter()
+                .zip(&services)
+                .map(|((unit, rep), s)| Row {
+                    arrangement: t.label.clone(),
+                    unit: unit.clone(),
+                    gpus: s.gpus(),
+                    rep: rep.clone(),
+                }),
+        );
+    }
     // The baseline: the same units and the same routed requests, each on a store of its own
     // (independent runs, so in parallel).
     let tables = route(&trace.requests, &services, seed);
@@ -81,7 +109,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
             let rep = simulate(s, &tables[k], seed)
                 .map_err(|e| anyhow!("{path}: unit {}: {e}", u.name))?;
             Ok(Row {
-                arrangement: "own stores",
+                arrangement: "own stores".into(),
                 unit: u.name.clone(),
                 gpus: s.gpus(),
                 rep,
@@ -91,24 +119,147 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     rows.extend(own);
     let mut out = RunOutput::create(&ctx.out)?;
     out.write_table("units", &mut units_table(&rows)?)?;
-    let text = summary(&rows, shared.store_peak_bytes);
+    out.write_table("speed", &mut speed_table(&runs, trace.requests.len())?)?;
+    let peak = runs[0].report.store_peak_bytes;
+    let text =
+        summary(&rows, cfg.cluster.units.len(), peak) + &speed_summary(&runs, cfg.cluster.window);
     out.write_text("summary.md", &text)?;
-    out.write_summary_json(&headline(&rows))?;
+    out.write_summary_json(&headline(&rows, &runs))?;
+    let last = runs.last().expect("at least the sequential run");
     let simulated = rows.iter().map(|r| r.rep.simulated_s).fold(0.0, f64::max);
     let speed = serde_json::json!({
-        "wall_s": wall,
-        "simulated_per_wall": simulated / wall.max(1e-9),
-        "requests_per_wall_s": trace.requests.len() as f64 / wall.max(1e-9),
+        "wall_s": last.wall_s,
+        "threads": last.threads,
+        "simulated_per_wall": simulated / last.wall_s.max(1e-9),
+        "requests_per_wall_s": trace.requests.len() as f64 / last.wall_s.max(1e-9),
     });
     let m = Manifest::new("cluster", &ctx.config.path, &ctx.config.text, seed);
     out.write_manifest_with_speed(&m, speed)?;
     println!("{text}");
-    println!(
-        "cluster: {simulated:.0} s simulated in {wall:.1} s wall ({:.0}x real time, {:.0} requests/s)",
-        simulated / wall.max(1e-9),
-        trace.requests.len() as f64 / wall.max(1e-9)
-    );
+    for t in &runs {
+        println!(
+            "cluster ({}, {} thread{}): {simulated:.0} s simulated in {:.1} s wall ({:.0}x real time, {:.0} requests/s)",
+            t.label,
+            t.threads,
+            if t.threads == 1 { "" } else { "s" },
+            t.wall_s,
+            simulated / t.wall_s.max(1e-9),
+            trace.requests.len() as f64 / t.wall_s.max(1e-9)
+        );
+    }
     Ok(())
+}
+
+/// The shared-store cluster one input at a time, then (with a window) in windows on each
+/// thread count, each run timed.
+fn shared_runs(cfg: &Config, requests: &[servelab_core::Request], seed: u64) -> Result<Vec<Timed>> {
+    let mut runs = Vec::new();
+    let mut hows = vec![("shared store".to_string(), ClusterRun::default())];
+    if cfg.cluster.window > Nanos::ZERO {
+        for &threads in &cfg.cluster.threads {
+            let how = ClusterRun {
+                window: cfg.cluster.window,
+                threads,
+            };
+            hows.push((format!("shared store, {} windows", cfg.cluster.window), how));
+        }
+    }
+    for (label, how) in hows {
+        let started = Instant::now();
+        let report = run_with(&cfg.service, &cfg.cluster.units, requests, seed, how)?;
+        runs.push(Timed {
+            label,
+            threads: how.threads,
+            wall_s: started.elapsed().as_secs_f64(),
+            report,
+        });
+    }
+    Ok(runs)
+}
+
+/// What a unit reported, for the check that thread counts change nothing.
+fn unit_figures(r: &ServiceReport) -> String {
+    format!(
+        "{} {} {} {} {} {:?} {:?} {:?}",
+        r.arrivals,
+        r.completed,
+        r.hit_tokens,
+        r.input_tokens,
+        r.events,
+        r.all.ttft_ns,
+        r.all.tpot_ns,
+        r.storage
+    )
+}
+
+/// Every windowed run gives the same figures, whatever its thread count (a bug otherwise).
+fn check_thread_counts(runs: &[Timed]) -> Result<()> {
+    let windowed: Vec<&Timed> = runs.iter().skip(1).collect();
+    let Some(first) = windowed.first() else {
+        return Ok(());
+    };
+    let figures = |t: &Timed| -> Vec<String> {
+        t.report
+            .units
+            .iter()
+            .map(|(_, r)| unit_figures(r))
+            .collect()
+    };
+    for t in &windowed[1..] {
+        if figures(t) != figures(first)
+            || t.report.store_peak_bytes != first.report.store_peak_bytes
+        {
+            return Err(anyhow!(
+                "the windowed cluster gave different results on {} and {} threads",
+                first.threads,
+                t.threads
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn speed_table(runs: &[Timed], requests: usize) -> Result<DataFrame> {
+    let base = runs.get(1).map_or(runs[0].wall_s, |t| t.wall_s);
+    Ok(df!(
+        "run" => runs.iter().map(|t| t.label.clone()).collect::<Vec<_>>(),
+        "threads" => runs.iter().map(|t| t.threads).collect::<Vec<_>>(),
+        "wall_s" => runs.iter().map(|t| t.wall_s).collect::<Vec<_>>(),
+        "requests_per_wall_s" => runs.iter().map(|t| requests as f64 / t.wall_s.max(1e-9)).collect::<Vec<_>>(),
+        "speedup_vs_one_thread_windows" => runs.iter().map(|t| base / t.wall_s.max(1e-9)).collect::<Vec<_>>(),
+        "hit_rate" => runs.iter().map(|t| t.report.hit_rate()).collect::<Vec<_>>(),
+    )?)
+}
+
+/// The windows against the sequential run (accuracy) and against one thread (speed).
+fn speed_summary(runs: &[Timed], window: Nanos) -> String {
+    let exact = &runs[0];
+    let Some(one) = runs.get(1) else {
+        return format!(
+            "\nThe units ran one input at a time on one thread, in {:.1} s of wall time.\n",
+            exact.wall_s
+        );
+    };
+    let mut s = format!(
+        "\nIn windows of {window} (a unit sees the others' writes from the next window on), the \
+         cluster hits {:.3}% against {:.3}% one input at a time ({:+.3} points).",
+        100.0 * one.report.hit_rate(),
+        100.0 * exact.report.hit_rate(),
+        100.0 * (one.report.hit_rate() - exact.report.hit_rate())
+    );
+    for t in &runs[2..] {
+        s += &format!(
+            " On {} threads it took {:.1} s against {:.1} s on one ({:.2}x), with the same results.",
+            t.threads,
+            t.wall_s,
+            one.wall_s,
+            one.wall_s / t.wall_s.max(1e-9)
+        );
+    }
+    s + &format!(
+        " One input at a time (no windows) took {:.1} s.\n",
+        exact.wall_s
+    )
 }
 
 fn hit_rate(r: &ServiceReport) -> f64 {
@@ -120,7 +271,7 @@ fn units_table(rows: &[Row]) -> Result<DataFrame> {
         q.map_or(h.mean(), |q| h.quantile(q)) / 1e6
     };
     Ok(df!(
-        "arrangement" => rows.iter().map(|r| r.arrangement).collect::<Vec<_>>(),
+        "arrangement" => rows.iter().map(|r| r.arrangement.clone()).collect::<Vec<_>>(),
         "unit" => rows.iter().map(|r| r.unit.clone()).collect::<Vec<_>>(),
         "gpus" => rows.iter().map(|r| r.gpus).collect::<Vec<_>>(),
         "arrivals" => rows.iter().map(|r| r.rep.arrivals).collect::<Vec<_>>(),
@@ -144,7 +295,7 @@ fn overall(rows: &[Row], arrangement: &str) -> f64 {
     h as f64 / i.max(1) as f64
 }
 
-fn summary(rows: &[Row], store_peak_bytes: u64) -> String {
+fn summary(rows: &[Row], units: usize, store_peak_bytes: u64) -> String {
     let header = [
         "arrangement",
         "unit",
@@ -168,7 +319,8 @@ fn summary(rows: &[Row], store_peak_bytes: u64) -> String {
             ]
         })
         .collect();
-    let (shared, own) = (overall(rows, "shared store"), overall(rows, "own stores"));
+    let shared_label = &rows[0].arrangement;
+    let (shared, own) = (overall(rows, shared_label), overall(rows, "own stores"));
     let gain = 100.0 * (shared - own);
     let reading = if gain.abs() < 0.1 {
         "sessions stay on their unit, so sharing only adds what one unit wrote and another \
@@ -183,7 +335,7 @@ fn summary(rows: &[Row], store_peak_bytes: u64) -> String {
          proportion to the units' GPUs. Sharing one store, the cluster hits {:.2}% of its input \
          tokens against {:.2}% with a store per unit ({gain:+.2} points): {reading}. The shared \
          store held at most {:.2} GiB.\n",
-        rows.len() / 2,
+        units,
         markdown_table(&header, &table),
         100.0 * shared,
         100.0 * own,
@@ -191,9 +343,12 @@ fn summary(rows: &[Row], store_peak_bytes: u64) -> String {
     )
 }
 
-fn headline(rows: &[Row]) -> BTreeMap<String, f64> {
+fn headline(rows: &[Row], runs: &[Timed]) -> BTreeMap<String, f64> {
     let mut h = BTreeMap::new();
-    h.insert("shared.hit_rate".into(), overall(rows, "shared store"));
+    h.insert("shared.hit_rate".into(), runs[0].report.hit_rate());
     h.insert("own.hit_rate".into(), overall(rows, "own stores"));
+    if let Some(w) = runs.get(1) {
+        h.insert("windows.hit_rate".into(), w.report.hit_rate());
+    }
     h
 }
