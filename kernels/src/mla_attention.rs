@@ -311,11 +311,10 @@ pub fn row_chunks(max_rows: usize, max_m_tiles: usize) -> (usize, usize) {
 
 /// The default tiles for groups of at most `max_rows` (token, head) rows.
 ///
-/// Up to 16 rows (a single-token decode of 16 heads): the swapped kernel, whose warps need no
-/// exchange inside a tile (see [`MlaConfig::swapped`]). The shared-tile kernel with 16-key
-/// tiles, two warps and four CTAs per SM, its best on the H200, is bound by each CTA's
-/// latency per tile (three barriers, the max exchange and P's round trip through shared
-/// memory).
+/// Up to 16 rows (a single-token decode of 16 heads): the shared-tile kernel with 16-key tiles,
+/// two warps and four CTAs per SM, the fastest tiles of the H200 sweeps; the swapped kernel
+/// with the same tiles (see [`MlaConfig::swapped`]) was a few percent slower there, so
+/// removing the max exchange's barriers does not pay when the key rows have one m-tile.
 ///
 /// More rows (DSpark verification, 2–6 tokens of 16 heads): the swapped kernel with 32-key
 /// tiles and CTAs of at most 4 warps (32 rows each), two CTAs per SM, the fastest tiles of the
@@ -345,9 +344,7 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         min_blocks: 4,
         ..base
     };
-    // A single-token decode of up to 16 heads keeps the shared-tile kernel's measured best
-    // (16-key tiles of 2 warps, four CTAs per SM); the swapped kernel is an option until a
-    // GPU run has timed it (`attention_bench` sweeps both).
+    // `attention_bench` sweeps both kernels around these tiles.
     let first = if max_rows <= 16 {
         single
     } else {

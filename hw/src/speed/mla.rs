@@ -15,8 +15,10 @@ use crate::timing::{Timing, time_ms};
 /// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM, Q in
 /// registers, L2 prefetch). Configurations the shape does not take (shared memory, registers)
 /// are skipped.
-const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 6] = [
+const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 8] = [
     (16, 2, 2, 1, 4, false, false),
+    (16, 2, 2, 1, 4, false, true),
+    (16, 2, 3, 1, 3, false, false),
     (32, 4, 2, 1, 2, false, false),
     (64, 8, 2, 1, 1, true, false),
     (64, 8, 2, 2, 1, false, false),
