@@ -62,6 +62,10 @@ pub struct MlaConfig {
     /// must be 1.
     #[serde(default)]
     pub swapped: bool,
+    /// Every key tile through the general copy (per-chunk block choice and bounds check),
+    /// also where its rows are contiguous in the pool; for comparing the two copies.
+    #[serde(default)]
+    pub general_copy: bool,
 }
 
 impl MlaConfig {
@@ -104,6 +108,7 @@ impl MlaConfig {
             q_in_registers,
             l2_prefetch: false,
             swapped: true,
+            general_copy: false,
         }
     }
 
@@ -273,6 +278,7 @@ impl MlaConfig {
                 ("PROWP", self.p_row()),
                 ("QREG", self.q_in_registers as usize),
                 ("PF", self.l2_prefetch as usize),
+                ("GC", self.general_copy as usize),
                 ("SWAPPED", 1),
                 ("QG", qg),
                 ("VG", vg),
@@ -291,6 +297,7 @@ impl MlaConfig {
             ("PROWP", self.p_row()),
             ("QREG", self.q_in_registers as usize),
             ("PF", self.l2_prefetch as usize),
+            ("GC", self.general_copy as usize),
         ]
     }
 }
@@ -332,6 +339,7 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         q_in_registers: false,
         l2_prefetch: false,
         swapped: false,
+        general_copy: false,
     };
     let narrow = MlaConfig {
         keys_per_tile: 32,
@@ -835,6 +843,7 @@ fn shared_tiles(
         q_in_registers: false,
         l2_prefetch: false,
         swapped: false,
+        general_copy: false,
     })
 }
 
@@ -849,6 +858,7 @@ fn qreg_tiles(keys_per_tile: usize, warps: usize, min_blocks: usize) -> Option<M
         q_in_registers: true,
         l2_prefetch: true,
         swapped: false,
+        general_copy: false,
     })
 }
 
@@ -887,6 +897,17 @@ fn shared_kernel_cases() -> Vec<MlaCase> {
         (spec, &VERIFY_LENS, &VERIFY_Q, c(16, 2, 3, 1), 96),
         (spec, &DECODE_LENS, &ONES, qreg(64, 8, 1), 256),
         (spec, &DECODE_LENS, &ONES, qreg(32, 4, 2), 96),
+        // every tile through the general copy, also the contiguous ones
+        (
+            spec,
+            &DECODE_LENS,
+            &ONES,
+            c(16, 2, 2, 1).map(|t| MlaConfig {
+                general_copy: true,
+                ..t
+            }),
+            256,
+        ),
     ]
 }
 
@@ -1016,6 +1037,7 @@ mod tests {
             q_in_registers: false,
             l2_prefetch: false,
             swapped: false,
+            general_copy: false,
         };
         assert_eq!(one, shared);
         // Q 16 x 584, two stages of 16 x 584, P 16 x 24 (bf16), maxima 2 x 16 (f32): four
@@ -1107,6 +1129,7 @@ mod tests {
             q_in_registers: false,
             l2_prefetch: false,
             swapped: false,
+            general_copy: false,
         };
         ok.validate_for(&s).unwrap();
         // 4 keys per warp

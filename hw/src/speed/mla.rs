@@ -100,6 +100,12 @@ fn mla_configs(
     if !sweep {
         return Ok(configs);
     }
+    // the default with the general copy for every tile: the contiguous copy's gain in the
+    // same run
+    configs.push(MlaConfig {
+        general_copy: true,
+        ..default
+    });
     for (keys_per_tile, warps, stages, m_tiles, min_blocks, q_in_registers, l2_prefetch) in SWEEP {
         let c = MlaConfig {
             keys_per_tile,
@@ -110,6 +116,7 @@ fn mla_configs(
             q_in_registers,
             l2_prefetch,
             swapped: false,
+            general_copy: false,
         };
         if !configs.contains(&c) && c.validate_for(shape).is_ok() {
             configs.push(c);
@@ -136,10 +143,10 @@ struct MlaSweep {
 }
 
 /// A trial's label in the row's note: `[T]keys x warps x stages x m-tiles/CTAs per SM
-/// bound(resident)[Q][P] @tokens per split: GB/s`.
+/// bound(resident)[Q][P][G] @tokens per split: GB/s`.
 fn trial_label(cfg: &MlaConfig, resident: usize, tps: usize, gbps: f64) -> String {
     format!(
-        "{}{}x{}x{}x{}/{}({resident}){}{} @{tps}: {:.0}",
+        "{}{}x{}x{}x{}/{}({resident}){}{}{} @{tps}: {:.0}",
         if cfg.swapped { "T" } else { "" },
         cfg.keys_per_tile,
         cfg.warps,
@@ -148,6 +155,7 @@ fn trial_label(cfg: &MlaConfig, resident: usize, tps: usize, gbps: f64) -> Strin
         cfg.min_blocks,
         if cfg.q_in_registers { "Q" } else { "" },
         if cfg.l2_prefetch { "P" } else { "" },
+        if cfg.general_copy { "G" } else { "" },
         gbps
     )
 }
@@ -274,7 +282,7 @@ pub fn measure_mla_decode(
         unit: "GB/s",
         ratio: Some(rate / ceilings.copy),
         note: format!(
-            "KV bytes read; {}; best {} tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, {per_sm} resident, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial ([T: swapped kernel]keys x warps x stages x m-tiles/CTAs per SM bound(resident)[Q: Q in registers][P: L2 prefetch] @tokens per split: GB/s): {}",
+            "KV bytes read; {}; best {} tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, {per_sm} resident, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial ([T: swapped kernel]keys x warps x stages x m-tiles/CTAs per SM bound(resident)[Q: Q in registers][P: L2 prefetch][G: general copy] @tokens per split: GB/s): {}",
             ceilings.note(rate),
             if cfg.swapped { "swapped" } else { "shared" },
             cfg.keys_per_tile,

@@ -60,6 +60,10 @@ __device__ __forceinline__ unsigned int smem_addr(const void* p) {
 #ifndef PF
 #define PF 0
 #endif
+// GC = 1: every tile through the general copy (for comparing it with issue_contiguous).
+#ifndef GC
+#define GC 0
+#endif
 __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
 #if PF
     // also ask L2 to fetch the whole 256-byte segment around the chunk (PF = 1)
@@ -198,7 +202,7 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     auto issue = [&](int ts, int stage, int pa, int pb) {
         const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
         const int o0 = ts % block_size;
-        if (row_stride == D_QK && o0 + TK <= block_size && ts + TK <= s1) {
+        if (!GC && row_stride == D_QK && o0 + TK <= block_size && ts + TK <= s1) {
             issue_contiguous(base, kv_h + (i64)pa * block_stride + (i64)o0 * D_QK, tid);
             return;
         }
@@ -578,7 +582,7 @@ mla_decode_swapped(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     auto issue = [&](int ts, int stage, int pa, int pb) {
         const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
         const int o0 = ts % block_size;
-        if (row_stride == D_QK && o0 + TK <= block_size && ts + TK <= s1) {
+        if (!GC && row_stride == D_QK && o0 + TK <= block_size && ts + TK <= s1) {
             issue_contiguous(base, kv_h + (i64)pa * block_stride + (i64)o0 * D_QK, tid);
             return;
         }
