@@ -319,13 +319,18 @@ pub fn row_chunks(max_rows: usize, max_m_tiles: usize) -> (usize, usize) {
 /// The default tiles for groups of at most `max_rows` (token, head) rows.
 ///
 /// Up to 16 rows (a single-token decode of 16 heads): the shared-tile kernel with 16-key tiles,
-/// two warps and four CTAs per SM, the fastest tiles of the H200 sweeps; the swapped kernel
-/// with the same tiles (see [`MlaConfig::swapped`]) was a few percent slower there, so
-/// removing the max exchange's barriers does not pay when the key rows have one m-tile.
+/// two warps and four CTAs per SM, with the contiguous copy of whole key tiles; the swapped
+/// kernel with the same tiles (see [`MlaConfig::swapped`]) was a few percent slower on the
+/// H200, so removing the max exchange's barriers does not pay when the key rows have one
+/// m-tile. Tiles of 64 keys shared by 8 warps with Q in registers were 2–3 % faster at 64
+/// sequences of 16K, with one CTA per SM; the 16-key tiles stay the default, as they also fill
+/// the SMs when a launch has few or short key ranges.
 ///
 /// More rows (DSpark verification, 2–6 tokens of 16 heads): the swapped kernel with 32-key
-/// tiles and CTAs of at most 4 warps (32 rows each), two CTAs per SM, the fastest tiles of the
-/// H200 sweep at 2, 4 and 6 tokens (see `hw/measurements/2026-12-02-nvidia-h200-mla-swapped.md`).
+/// tiles and CTAs of at most 4 warps (32 rows each), two CTAs per SM, through the general copy,
+/// which the H200 ran 3–4 % faster than the contiguous one for this kernel (the reverse of the
+/// shared-tile kernel, where the contiguous copy gains 10 %; see
+/// `hw/measurements/2026-12-02-nvidia-h200-mla-contiguous-copy.md`).
 /// Where those do not fit: 64-key tiles shared by 8 warps and the fewest CTAs per split whose
 /// m-tiles fit (three m-tiles of 16 rows is the most whose Q rows, key ring and accumulators
 /// fit one SM).
@@ -352,11 +357,14 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         min_blocks: 4,
         ..base
     };
-    // `attention_bench` sweeps both kernels around these tiles.
+    // `attention_bench` sweeps both kernels around these tiles, and both copies of each.
     let first = if max_rows <= 16 {
         single
     } else {
-        MlaConfig::swapped_for(max_rows, 4, 32, 2, 2, false)
+        MlaConfig {
+            general_copy: true,
+            ..MlaConfig::swapped_for(max_rows, 4, 32, 2, 2, false)
+        }
     };
     std::iter::once(first)
         .chain([3, 2, 1].into_iter().flat_map(|most| {
@@ -1057,6 +1065,8 @@ mod tests {
         );
         let two = default_config(&s, 32).unwrap();
         assert_eq!((two.swapped, two.warps, two.chunks(32)), (true, 4, 1));
+        // the swapped kernel copies through the general path, the shared-tile one does not
+        assert!(six.general_copy && two.general_copy && !one.general_copy);
     }
 
     #[test]

@@ -100,10 +100,9 @@ fn mla_configs(
     if !sweep {
         return Ok(configs);
     }
-    // the default with the general copy for every tile: the contiguous copy's gain in the
-    // same run
+    // the default with the other copy of its key tiles: the two copies compared in one run
     configs.push(MlaConfig {
-        general_copy: true,
+        general_copy: !default.general_copy,
         ..default
     });
     for (keys_per_tile, warps, stages, m_tiles, min_blocks, q_in_registers, l2_prefetch) in SWEEP {
