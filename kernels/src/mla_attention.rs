@@ -796,7 +796,7 @@ fn check_case(
     Ok(CheckResult::from_stats(
         "mla_attention",
         format!(
-            "kvh={} group={} d_qk={} d_v={} bs={} kv lens {kv_lens:?} query tokens {query_lens:?} split {tokens_per_split}; {} tiles {} keys x {} warps x {} stages x {} m-tiles{}",
+            "kvh={} group={} d_qk={} d_v={} bs={} kv lens {kv_lens:?} query tokens {query_lens:?} split {tokens_per_split}; {} tiles {} keys x {} warps x {} stages x {} m-tiles{}{}",
             shape.num_kv_heads,
             shape.group,
             shape.d_qk,
@@ -809,6 +809,11 @@ fn check_case(
             used.m_tiles,
             if used.q_in_registers {
                 ", Q in registers"
+            } else {
+                ""
+            },
+            if used.general_copy {
+                ", general copy"
             } else {
                 ""
             }
