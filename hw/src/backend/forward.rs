@@ -172,8 +172,8 @@ struct SwaChunk {
 }
 
 enum Swa<'a> {
-    /// Prefill: each chunk's window gathered into `kbuf`, then the SWA kernel per chunk, or
-    /// the tensor-core prefill kernel over all of them when given.
+    /// Prefill: each chunk's window gathered into `kbuf`, then the SWA kernel per chunk, or,
+    /// when given, the tensor-core prefill kernel or the MLA kernel over all of them.
     Chunks(&'a [SwaChunk], Option<&'a SwaTiles>),
     /// Decode: every token's window through the rings with the split kernels.
     Ring(GlobalRows<'a>),
