@@ -48,5 +48,8 @@ cp hw/scripts/device-run.sh "$bundle/run.sh"
 c=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD -- 2>/dev/null || c="$c-dirty"
 echo "$c" > "$bundle/commit"
+# The checkout the tests were compiled in: they read committed files (records, profiles) at
+# that path (CARGO_MANIFEST_DIR), which run.sh links to the device's copy of the tree.
+pwd > "$bundle/source-dir"
 ls -la "$bundle" "$bundle/tests" >&2
 du -sh "$bundle" >&2

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 pub use servelab_kernels::GpuContext;
 
-use crate::backend::{BackendConfig, BackendError, CudaBackend, ModelShape};
+use crate::backend::{AttentionKind, BackendConfig, BackendError, CudaBackend, ModelShape};
 use crate::clock::ClockKind;
 use crate::conformance::{self, ConformanceError, ConformanceFile, Record, parse_profile};
 use crate::{calibrate, checks, report, speed};
@@ -252,17 +252,16 @@ fn add_calibration_workload(
 
 /// The model line of a profile's header.
 fn model_summary(m: &ModelShape) -> String {
+    let attention = match m.attention {
+        AttentionKind::Gqa => format!("{} kv heads x {} x d {}", m.kv_heads, m.group, m.head_dim),
+        AttentionKind::Mla => format!(
+            "MLA latent {} (value {}, rope {}) x {} heads",
+            m.head_dim, m.value_dim, m.rope_dim, m.group
+        ),
+    };
     format!(
-        "{}+{} layers, hidden {}, {} kv heads x {} x d {}, {} experts top-{} ffn {}",
-        m.encoder_layers,
-        m.decoder_layers,
-        m.hidden,
-        m.kv_heads,
-        m.group,
-        m.head_dim,
-        m.experts,
-        m.top_k,
-        m.expert_ffn
+        "{}+{} layers, hidden {}, {attention}, {} experts top-{} ffn {}",
+        m.encoder_layers, m.decoder_layers, m.hidden, m.experts, m.top_k, m.expert_ffn
     )
 }
 

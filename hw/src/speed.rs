@@ -604,16 +604,14 @@ pub fn prefill_step_model(p: &PrefillShape) -> Result<ModelShape, KernelError> {
         encoder_layers: 1,
         decoder_layers: 1,
         hidden: p.hidden,
-        kv_heads,
-        group: heads / kv_heads,
-        head_dim: STEP_HEAD_DIM,
         experts: p.experts,
         top_k: p.top_k,
         expert_ffn: p.expert_ffn,
         shared_ffn: p.shared_ffn,
         vocab: 4096,
         ..ModelShape::default()
-    };
+    }
+    .gqa(kv_heads, heads / kv_heads, STEP_HEAD_DIM);
     m.validate()
         .map_err(|e| KernelError::shape(e.to_string()))?;
     Ok(m)
@@ -640,20 +638,21 @@ impl StepFlops {
     }
 
     pub fn of(m: &ModelShape, prefix: usize, tokens: usize, window_truncated: bool) -> Self {
-        let (t, h, q, r) = (
+        let (t, h, q, r, o) = (
             tokens as f64,
             m.hidden as f64,
             m.q_dim() as f64,
             m.kv_row() as f64,
+            m.o_dim() as f64,
         );
         let per_layer = 2.0 * t * (q * h + r * h)
-            + 2.0 * 2.0 * t * h * q
+            + 2.0 * 2.0 * t * h * o
             + 2.0 * t * m.experts as f64 * h
             + 6.0 * t * m.top_k as f64 * m.expert_ffn as f64 * h
             + 6.0 * t * m.shared_ffn as f64 * h;
         let gemm = m.encoder_layers as f64 * per_layer + 2.0 * t * r * h;
-        // per visible key: QKᵀ 2·d and PV 2·d per query head
-        let per_key = 4.0 * (m.kv_heads * m.group * m.head_dim) as f64;
+        // per visible key: QKᵀ 2·d_qk and PV 2·d_v per query head
+        let per_key = 2.0 * (m.heads() * (m.head_dim + m.d_v())) as f64;
         let global_keys: f64 = (0..tokens).map(|j| (prefix + j + 1) as f64).sum();
         let trunc = if window_truncated { prefix } else { 0 };
         let swa_keys: f64 = (0..tokens)
@@ -891,13 +890,7 @@ pub fn measure_prefill_steps(
 
 /// The paged-attention shape of the backend model `m`.
 fn attention_shape(m: &ModelShape) -> PagedAttentionShape {
-    PagedAttentionShape {
-        num_kv_heads: m.kv_heads,
-        group: m.group,
-        d_qk: m.head_dim,
-        d_v: m.head_dim,
-        block_size: m.block_size,
-    }
+    m.attention_shape()
 }
 
 /// Tiles the kernel-only measurement compares with the default.
@@ -1457,16 +1450,14 @@ mod tests {
         let m = ModelShape {
             encoder_layers: 1,
             hidden: 2,
-            kv_heads: 1,
-            group: 1,
-            head_dim: 1,
             experts: 1,
             top_k: 1,
             expert_ffn: 1,
             shared_ffn: 1,
             window: 2,
             ..ModelShape::default()
-        };
+        }
+        .gqa(1, 1, 1);
         // 3 tokens: wq + wk 2·3·(2 + 2) = 24, wo twice 24, router 12, expert 36, shared 36,
         // global KV projection 12
         let f = StepFlops::of(&m, 0, 3, false);
@@ -1478,6 +1469,21 @@ mod tests {
         let hit = StepFlops::of(&m, 2, 2, true);
         assert_eq!((hit.attention, hit.swa), (28.0, 12.0));
         assert_eq!(StepFlops::of(&m, 2, 2, false).swa, 16.0);
+        // MLA: a latent of 3 (value 2) read by 2 heads. Per key and head QKᵀ 2·3 + PV 2·2 =
+        // 10; the output projections read 2 heads x 2 values: wq 2·3·6·2 = 72 + wk 2·3·3·2
+        // = 36, wo twice 2·2·3·2·4 = 96, router 12, experts 72, global KV 36
+        let mla = ModelShape {
+            attention: crate::backend::AttentionKind::Mla,
+            kv_heads: 1,
+            group: 2,
+            head_dim: 3,
+            value_dim: 2,
+            rope_dim: 1,
+            ..m
+        };
+        let f = StepFlops::of(&mla, 0, 3, false);
+        assert_eq!(f.gemm, 72.0 + 36.0 + 96.0 + 12.0 + 72.0 + 36.0);
+        assert_eq!((f.attention, f.swa), (2.0 * 10.0 * 6.0, 2.0 * 10.0 * 5.0));
     }
 
     /// The attention rows alone at full size (ceilings, the GQA tensor-core kernel's sweep and

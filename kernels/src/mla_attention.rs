@@ -62,6 +62,10 @@ pub struct MlaConfig {
     /// must be 1.
     #[serde(default)]
     pub swapped: bool,
+    /// Every key tile through the general copy (per-chunk block choice and bounds check),
+    /// also where its rows are contiguous in the pool; for comparing the two copies.
+    #[serde(default)]
+    pub general_copy: bool,
 }
 
 impl MlaConfig {
@@ -104,6 +108,7 @@ impl MlaConfig {
             q_in_registers,
             l2_prefetch: false,
             swapped: true,
+            general_copy: false,
         }
     }
 
@@ -273,6 +278,7 @@ impl MlaConfig {
                 ("PROWP", self.p_row()),
                 ("QREG", self.q_in_registers as usize),
                 ("PF", self.l2_prefetch as usize),
+                ("GC", self.general_copy as usize),
                 ("SWAPPED", 1),
                 ("QG", qg),
                 ("VG", vg),
@@ -291,6 +297,7 @@ impl MlaConfig {
             ("PROWP", self.p_row()),
             ("QREG", self.q_in_registers as usize),
             ("PF", self.l2_prefetch as usize),
+            ("GC", self.general_copy as usize),
         ]
     }
 }
@@ -311,15 +318,19 @@ pub fn row_chunks(max_rows: usize, max_m_tiles: usize) -> (usize, usize) {
 
 /// The default tiles for groups of at most `max_rows` (token, head) rows.
 ///
-/// Up to 16 rows (a single-token decode of 16 heads): the swapped kernel, whose warps need no
-/// exchange inside a tile (see [`MlaConfig::swapped`]). The shared-tile kernel with 16-key
-/// tiles, two warps and four CTAs per SM, its best on the H200, is bound by each CTA's
-/// latency per tile (three barriers, the max exchange and P's round trip through shared
-/// memory).
+/// Up to 16 rows (a single-token decode of 16 heads): the shared-tile kernel with 16-key tiles,
+/// two warps and four CTAs per SM, with the contiguous copy of whole key tiles; the swapped
+/// kernel with the same tiles (see [`MlaConfig::swapped`]) was a few percent slower on the
+/// H200, so removing the max exchange's barriers does not pay when the key rows have one
+/// m-tile. Tiles of 64 keys shared by 8 warps with Q in registers were 2–3 % faster at 64
+/// sequences of 16K, with one CTA per SM; the 16-key tiles stay the default, as they also fill
+/// the SMs when a launch has few or short key ranges.
 ///
 /// More rows (DSpark verification, 2–6 tokens of 16 heads): the swapped kernel with 32-key
-/// tiles and CTAs of at most 4 warps (32 rows each), two CTAs per SM, the fastest tiles of the
-/// H200 sweep at 2, 4 and 6 tokens (see `hw/measurements/2026-12-02-nvidia-h200-mla-swapped.md`).
+/// tiles and CTAs of at most 4 warps (32 rows each), two CTAs per SM, through the general copy,
+/// which the H200 ran 3–4 % faster than the contiguous one for this kernel (the reverse of the
+/// shared-tile kernel, where the contiguous copy gains 10 %; see
+/// `hw/measurements/2026-12-02-nvidia-h200-mla-contiguous-copy.md`).
 /// Where those do not fit: 64-key tiles shared by 8 warps and the fewest CTAs per split whose
 /// m-tiles fit (three m-tiles of 16 rows is the most whose Q rows, key ring and accumulators
 /// fit one SM).
@@ -333,6 +344,7 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         q_in_registers: false,
         l2_prefetch: false,
         swapped: false,
+        general_copy: false,
     };
     let narrow = MlaConfig {
         keys_per_tile: 32,
@@ -345,13 +357,14 @@ pub fn default_config(shape: &PagedAttentionShape, max_rows: usize) -> Option<Ml
         min_blocks: 4,
         ..base
     };
-    // A single-token decode of up to 16 heads keeps the shared-tile kernel's measured best
-    // (16-key tiles of 2 warps, four CTAs per SM); the swapped kernel is an option until a
-    // GPU run has timed it (`attention_bench` sweeps both).
+    // `attention_bench` sweeps both kernels around these tiles, and both copies of each.
     let first = if max_rows <= 16 {
         single
     } else {
-        MlaConfig::swapped_for(max_rows, 4, 32, 2, 2, false)
+        MlaConfig {
+            general_copy: true,
+            ..MlaConfig::swapped_for(max_rows, 4, 32, 2, 2, false)
+        }
     };
     std::iter::once(first)
         .chain([3, 2, 1].into_iter().flat_map(|most| {
@@ -783,7 +796,7 @@ fn check_case(
     Ok(CheckResult::from_stats(
         "mla_attention",
         format!(
-            "kvh={} group={} d_qk={} d_v={} bs={} kv lens {kv_lens:?} query tokens {query_lens:?} split {tokens_per_split}; {} tiles {} keys x {} warps x {} stages x {} m-tiles{}",
+            "kvh={} group={} d_qk={} d_v={} bs={} kv lens {kv_lens:?} query tokens {query_lens:?} split {tokens_per_split}; {} tiles {} keys x {} warps x {} stages x {} m-tiles{}{}",
             shape.num_kv_heads,
             shape.group,
             shape.d_qk,
@@ -796,6 +809,11 @@ fn check_case(
             used.m_tiles,
             if used.q_in_registers {
                 ", Q in registers"
+            } else {
+                ""
+            },
+            if used.general_copy {
+                ", general copy"
             } else {
                 ""
             }
@@ -838,6 +856,7 @@ fn shared_tiles(
         q_in_registers: false,
         l2_prefetch: false,
         swapped: false,
+        general_copy: false,
     })
 }
 
@@ -852,6 +871,7 @@ fn qreg_tiles(keys_per_tile: usize, warps: usize, min_blocks: usize) -> Option<M
         q_in_registers: true,
         l2_prefetch: true,
         swapped: false,
+        general_copy: false,
     })
 }
 
@@ -890,6 +910,17 @@ fn shared_kernel_cases() -> Vec<MlaCase> {
         (spec, &VERIFY_LENS, &VERIFY_Q, c(16, 2, 3, 1), 96),
         (spec, &DECODE_LENS, &ONES, qreg(64, 8, 1), 256),
         (spec, &DECODE_LENS, &ONES, qreg(32, 4, 2), 96),
+        // every tile through the general copy, also the contiguous ones
+        (
+            spec,
+            &DECODE_LENS,
+            &ONES,
+            c(16, 2, 2, 1).map(|t| MlaConfig {
+                general_copy: true,
+                ..t
+            }),
+            256,
+        ),
     ]
 }
 
@@ -1019,6 +1050,7 @@ mod tests {
             q_in_registers: false,
             l2_prefetch: false,
             swapped: false,
+            general_copy: false,
         };
         assert_eq!(one, shared);
         // Q 16 x 584, two stages of 16 x 584, P 16 x 24 (bf16), maxima 2 x 16 (f32): four
@@ -1038,6 +1070,8 @@ mod tests {
         );
         let two = default_config(&s, 32).unwrap();
         assert_eq!((two.swapped, two.warps, two.chunks(32)), (true, 4, 1));
+        // the swapped kernel copies through the general path, the shared-tile one does not
+        assert!(six.general_copy && two.general_copy && !one.general_copy);
     }
 
     #[test]
@@ -1110,6 +1144,7 @@ mod tests {
             q_in_registers: false,
             l2_prefetch: false,
             swapped: false,
+            general_copy: false,
         };
         ok.validate_for(&s).unwrap();
         // 4 keys per warp

@@ -1,4 +1,5 @@
-//! Rotary position embedding (rotate-half layout over the first `rot_dim` elements of a head).
+//! Rotary position embedding (rotate-half layout over `rot_dim` elements of a head from
+//! `rot_start` on).
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -14,7 +15,9 @@ pub(crate) const SRC: &str = include_str!("cuda/rope.cu");
 pub struct RopeShape {
     pub heads: usize,
     pub head_dim: usize,
-    /// Rotated prefix of each head; even, at most `head_dim`.
+    /// First rotated element of each head (0 for GQA; MLA rotates the latent's tail).
+    pub rot_start: usize,
+    /// Rotated elements of each head; even, `rot_start + rot_dim` at most `head_dim`.
     pub rot_dim: usize,
     pub theta: f64,
 }
@@ -22,10 +25,12 @@ pub struct RopeShape {
 impl RopeShape {
     fn validate(&self) -> Result<(), KernelError> {
         ensure(
-            self.rot_dim.is_multiple_of(2) && self.rot_dim > 0 && self.rot_dim <= self.head_dim,
+            self.rot_dim.is_multiple_of(2)
+                && self.rot_dim > 0
+                && self.rot_start + self.rot_dim <= self.head_dim,
             || {
                 format!(
-                    "rot_dim = {} must be even and in 2..=head_dim",
+                    "rot_dim = {} must be even and positive, and rot_start + rot_dim at most head_dim",
                     self.rot_dim
                 )
             },
@@ -40,7 +45,8 @@ pub fn rope_cpu(shape: &RopeShape, x: &[bf16], positions: &[i32]) -> Vec<f64> {
     let half = shape.rot_dim / 2;
     for (t, &pos) in positions.iter().enumerate() {
         for h in 0..shape.heads {
-            let row = &mut out[(t * shape.heads + h) * shape.head_dim..][..shape.head_dim];
+            let row = &mut out[(t * shape.heads + h) * shape.head_dim + shape.rot_start..]
+                [..shape.rot_dim];
             for i in 0..half {
                 let inv_freq = shape.theta.powf(-2.0 * i as f64 / shape.rot_dim as f64);
                 let (s, c) = (pos as f64 * inv_freq).sin_cos();
@@ -88,7 +94,7 @@ impl Rope {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let ints = [n, sh.heads, sh.head_dim, sh.rot_dim].map(|v| v as i32);
+        let ints = [n, sh.heads, sh.head_dim, sh.rot_start, sh.rot_dim].map(|v| v as i32);
         let mut b = gpu.stream.launch_builder(&self.func);
         b.arg(x).arg(positions);
         for v in &ints {
@@ -101,28 +107,42 @@ impl Rope {
     }
 }
 
+/// A head's leading part rotated (GQA) and an MLA-like latent's tail rotated, each against
+/// [`rope_cpu`] (which also checks that the elements outside the rotated range are untouched).
 pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
-    let shape = RopeShape {
+    let lead = RopeShape {
         heads: 4,
         head_dim: 96,
+        rot_start: 0,
         rot_dim: 64,
         theta: 10000.0,
     };
-    let rope = Rope::new(gpu, shape)?;
+    let tail = RopeShape {
+        heads: 2,
+        head_dim: 576,
+        rot_start: 512,
+        rot_dim: 64,
+        theta: 10000.0,
+    };
     let mut r = rng(seed);
     let positions: Vec<i32> = vec![0, 1, 2, 127, 128, 4095, 65_537, 1_000_003];
-    let x = random_bf16(&mut r, positions.len() * shape.heads * shape.head_dim, 1.0);
-    let reference = rope_cpu(&shape, &x, &positions);
     let s = &gpu.stream;
-    let mut dx = s.clone_htod(&x)?;
-    rope.run(gpu, &mut dx, &s.clone_htod(&positions)?)?;
-    let got: Vec<f64> = s.clone_dtoh(&dx)?.iter().map(|v| v.to_f64()).collect();
-    Ok(vec![CheckResult::from_stats(
-        "rope",
-        format!("{shape:?} positions {positions:?}"),
-        ErrorStats::of(&got, &reference),
-        BF16_TOL,
-    )])
+    let mut out = Vec::new();
+    for shape in [lead, tail] {
+        let rope = Rope::new(gpu, shape)?;
+        let x = random_bf16(&mut r, positions.len() * shape.heads * shape.head_dim, 1.0);
+        let reference = rope_cpu(&shape, &x, &positions);
+        let mut dx = s.clone_htod(&x)?;
+        rope.run(gpu, &mut dx, &s.clone_htod(&positions)?)?;
+        let got: Vec<f64> = s.clone_dtoh(&dx)?.iter().map(|v| v.to_f64()).collect();
+        out.push(CheckResult::from_stats(
+            "rope",
+            format!("{shape:?} positions {positions:?}"),
+            ErrorStats::of(&got, &reference),
+            BF16_TOL,
+        ));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -135,6 +155,7 @@ mod tests {
         let shape = RopeShape {
             heads: 1,
             head_dim: 6,
+            rot_start: 0,
             rot_dim: 4,
             theta: 10000.0,
         };
@@ -148,6 +169,18 @@ mod tests {
         let (s, c) = 1f64.sin_cos();
         assert!((y[0] - (c - 3.0 * s)).abs() < 1e-12 && (y[2] - (3.0 * c + s)).abs() < 1e-12);
         assert_eq!(&y[4..], &[5.0, 6.0]);
+        // the same rotation on the tail of the row leaves its head untouched
+        let tail = RopeShape {
+            rot_start: 2,
+            ..shape
+        };
+        let x: Vec<bf16> = [5, 6, 1, 2, 3, 4]
+            .iter()
+            .map(|&v| bf16::from_f32(v as f32))
+            .collect();
+        let z = rope_cpu(&tail, &x, &[1]);
+        assert_eq!(&z[..2], &[5.0, 6.0]);
+        assert_eq!(&z[2..], &y[..4]);
     }
 
     #[test]

@@ -12,6 +12,7 @@ use servelab_kernels::attention::{
     AttentionWorkspace, BlockTables, DeviceRows, KvLayout, QueryRows,
 };
 use servelab_kernels::gemm::{linear_bf16, linear_bf16_beta};
+use servelab_kernels::mla_attention::MlaRows;
 use servelab_kernels::moe::Routing;
 use servelab_kernels::prefill_attention::PrefillRows;
 use servelab_kernels::swa::SwaRange;
@@ -63,7 +64,7 @@ impl Scratch {
             xn: s.alloc_zeros(t1 * m.hidden)?,
             q: s.alloc_zeros(t1 * m.q_dim())?,
             k: s.alloc_zeros(t1 * m.kv_row())?,
-            att: s.alloc_zeros(t1 * m.q_dim())?,
+            att: s.alloc_zeros(t1 * m.o_dim())?,
             rl_bf: s.alloc_zeros(t1 * m.experts)?,
             rl_f: s.alloc_zeros(t1 * m.experts)?,
             xs: s.alloc_zeros(tk * m.hidden)?,
@@ -91,13 +92,14 @@ fn take_scratch(b: &mut CudaBackend, t: usize, kbuf_rows: usize) -> Result<Scrat
     }
 }
 
-/// The SWA of a prefill stack on the tensor-core prefill kernel with a sliding window: each
-/// chunk's keys (window before the chunk, then the chunk) lie in `kbuf` from block-aligned row
-/// `kb0`, read through an identity block table; token `i` of a chunk sees rows
-/// `[max(0, e - window), e)` with `e = pos0 - lo + i + 1`, i.e. positions
-/// `[max(lo, p - window + 1), p]`, as [`SwaRange::visible`].
+/// The SWA of a prefill stack on the tensor-core prefill kernel with a sliding window, or on
+/// the MLA kernel: each chunk's keys (window before the chunk, then the chunk) lie in `kbuf`
+/// from block-aligned row `kb0`, read through an identity block table; token `i` of a chunk
+/// sees rows `[max(0, e - window), e)` with `e = pos0 - lo + i + 1`, i.e. positions
+/// `[max(lo, p - window + 1), p]`, as [`SwaRange::visible`]. The prefill kernel cuts the
+/// window itself; the MLA kernel's rows start at the window.
 pub(crate) struct SwaTiles {
-    rows: PrefillRows,
+    rows: UploadedRows,
     layout: KvLayout,
 }
 
@@ -106,9 +108,9 @@ fn swa_tiles(
     chunks: &[SwaChunk],
     kbuf_rows: usize,
 ) -> Result<Option<SwaTiles>, BackendError> {
-    let Some(pk) = &b.k.prefill else {
+    if b.k.prefill.is_none() && b.k.mla.is_none() {
         return Ok(None);
-    };
+    }
     let m = &b.cfg.model;
     let bs = m.block_size;
     let mut rows = QueryRows::default();
@@ -118,7 +120,13 @@ fn swa_tiles(
         // row kb0 holds position lo, at offset lo % bs of its block (see `kbuf_row`)
         let off = ch.kb0 % bs;
         for i in 0..ch.n {
-            rows.push(per_chunk.len(), off, off + ch.pos0 - ch.lo + i + 1);
+            let e = off + ch.pos0 - ch.lo + i + 1;
+            let s = if b.k.prefill.is_some() {
+                off
+            } else {
+                off.max(e.saturating_sub(m.window))
+            };
+            rows.push(per_chunk.len(), s, e);
         }
         per_chunk.push(
             (0..(off + num_k).div_ceil(bs))
@@ -131,7 +139,11 @@ fn swa_tiles(
         row_stride: m.kv_row(),
         num_blocks: kbuf_rows / bs,
     };
-    let rows = pk.upload(&b.gpu, &layout, &tables(&per_chunk), &rows)?;
+    let tables = tables(&per_chunk);
+    let rows = match &b.k.prefill {
+        Some(pk) => UploadedRows::Prefill(pk.upload(&b.gpu, &layout, &tables, &rows)?),
+        None => upload_split(b, &layout, &tables, &rows)?,
+    };
     Ok(Some(SwaTiles { rows, layout }))
 }
 
@@ -160,11 +172,11 @@ struct SwaChunk {
 }
 
 enum Swa<'a> {
-    /// Prefill: each chunk's window gathered into `kbuf`, then the SWA kernel per chunk, or
-    /// the tensor-core prefill kernel over all of them when given.
+    /// Prefill: each chunk's window gathered into `kbuf`, then the SWA kernel per chunk, or,
+    /// when given, the tensor-core prefill kernel or the MLA kernel over all of them.
     Chunks(&'a [SwaChunk], Option<&'a SwaTiles>),
-    /// Decode: every token's window through the rings with the paged kernel.
-    Ring(&'a DeviceRows),
+    /// Decode: every token's window through the rings with the split kernels.
+    Ring(GlobalRows<'a>),
 }
 
 /// What the device time of a step goes to (the diagnostic breakdown of
@@ -255,13 +267,15 @@ impl PhaseLog {
     }
 }
 
-/// Query rows over a global KV layer, uploaded for the kernel that runs them: the tensor-core
-/// prefill kernel (a tile of query rows per CTA, keys read once per tile) or the split decode
-/// kernels (short runs of query tokens over long key ranges).
+/// Query rows over a paged KV layer, uploaded for the kernel that runs them: the tensor-core
+/// prefill kernel (a tile of query rows per CTA, keys read once per tile), the GQA split
+/// decode kernels (short runs of query tokens over long key ranges), or the MLA kernel (every
+/// attention of an MLA model).
 #[derive(Clone, Copy)]
 enum GlobalRows<'a> {
     Split(&'a DeviceRows),
     Prefill(&'a PrefillRows),
+    Mla(&'a MlaRows),
 }
 
 /// Attention rows over a global KV layer: the encoder layer's own (`own` is its global layer
@@ -300,31 +314,50 @@ impl Ctx<'_> {
         ws: &mut Option<AttentionWorkspace>,
     ) -> Result<(), BackendError> {
         self.mark(Phase::Attention)?;
+        let layout = self.global_layout;
+        self.attend(rows, q, view, &layout, scale, out, ws)?;
+        self.mark(Phase::Elementwise)
+    }
+
+    /// `out` = attention of `q` over the paged KV `view` laid out as `layout`, on the kernel
+    /// the rows were uploaded for.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        rows: &GlobalRows<'_>,
+        q: &CudaSlice<bf16>,
+        view: &CudaView<'_, bf16>,
+        layout: &KvLayout,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+        ws: &mut Option<AttentionWorkspace>,
+    ) -> Result<(), BackendError> {
+        let g = self.gpu;
         match rows {
             GlobalRows::Split(r) => {
                 let tps = self.k.att.default_tokens_per_split(r);
-                self.k.att.ensure_workspace(self.gpu, r, tps, ws)?;
+                self.k.att.ensure_workspace(g, r, tps, ws)?;
                 let ws = ws.as_mut().expect("ensured above");
-                self.k.att.run(
-                    self.gpu,
-                    q,
-                    view,
-                    &self.global_layout,
-                    r,
-                    tps,
-                    ws,
-                    scale,
-                    out,
-                )?;
+                self.k.att.run(g, q, view, layout, r, tps, ws, scale, out)?;
             }
             GlobalRows::Prefill(r) => {
                 let pk = self.k.prefill.as_ref().ok_or_else(|| {
                     BackendError::Plan("prefill rows without the prefill kernel".into())
                 })?;
-                pk.run(self.gpu, q, view, &self.global_layout, r, scale, out)?;
+                pk.run(g, q, view, layout, r, scale, out)?;
+            }
+            GlobalRows::Mla(r) => {
+                let mla =
+                    self.k.mla.as_ref().ok_or_else(|| {
+                        BackendError::Plan("MLA rows without the MLA kernel".into())
+                    })?;
+                let tps = mla.default_tokens_per_split(g, r)?;
+                mla.ensure_workspace(g, r, tps, ws)?;
+                let ws = ws.as_mut().expect("ensured above");
+                mla.run(g, q, view, layout, r, tps, ws, scale, out)?;
             }
         }
-        self.mark(Phase::Elementwise)
+        Ok(())
     }
 }
 
@@ -349,7 +382,7 @@ fn layer(
     sc: &mut Scratch,
 ) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
-    let (hd, qd) = (m.hidden, m.q_dim());
+    let (hd, od) = (m.hidden, m.o_dim());
     let scale = 1.0 / (m.head_dim as f32).sqrt();
     project_qk(c, lw, t, pos, sc)?;
     let layer_off = ring_layer * m.block_size * m.kv_row();
@@ -363,7 +396,7 @@ fn layer(
         Swa::Ring(rows) => swa_ring(c, rows, rings, layer_off, t, ring_slots, scale, sc)?,
     }
     c.mark(Phase::Gemm)?;
-    linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
+    linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, od, true)?;
     c.mark(Phase::Elementwise)?;
     if let Some(Cross {
         rows,
@@ -430,23 +463,43 @@ fn swa_chunks(
         k.att
             .write_kv_unchecked(g, &sc.k, t, ring_slots, &mut view, &c.ring_layout)
     }?;
-    if let (Some(st), Some(pk)) = (tiles, &k.prefill) {
-        pk.run_window(
-            g,
-            &sc.q,
-            &sc.kbuf.as_view(),
-            &st.layout,
-            &st.rows,
-            scale,
-            Some(m.window),
-            &mut sc.att,
-        )?;
-    }
-    for ch in chunks
-        .iter()
-        .filter(|c| c.n > 0 && (tiles.is_none() || k.prefill.is_none()))
-    {
-        swa_chunk(c, ch, scale, sc)?;
+    match (tiles, &k.prefill) {
+        (
+            Some(SwaTiles {
+                rows: UploadedRows::Prefill(r),
+                layout,
+            }),
+            Some(pk),
+        ) => {
+            pk.run_window(
+                g,
+                &sc.q,
+                &sc.kbuf.as_view(),
+                layout,
+                r,
+                scale,
+                Some(m.window),
+                &mut sc.att,
+            )?;
+        }
+        (Some(st), _) => {
+            let rows = st.rows.as_global();
+            let kbuf = sc.kbuf.as_view();
+            c.attend(
+                &rows,
+                &sc.q,
+                &kbuf,
+                &st.layout,
+                scale,
+                &mut sc.att,
+                &mut sc.att_ws,
+            )?;
+        }
+        (None, _) => {
+            for ch in chunks.iter().filter(|c| c.n > 0) {
+                swa_chunk(c, ch, scale, sc)?;
+            }
+        }
     }
     Ok(())
 }
@@ -488,7 +541,11 @@ fn gather_window(
 /// The SWA kernel over one chunk's queries and its keys in `kbuf`.
 fn swa_chunk(c: &Ctx<'_>, ch: &SwaChunk, scale: f32, sc: &mut Scratch) -> Result<(), BackendError> {
     let m = c.m;
-    let (qd, row) = (m.q_dim(), m.kv_row());
+    let (qd, od, row) = (m.q_dim(), m.o_dim(), m.kv_row());
+    let swa =
+        c.k.swa
+            .as_ref()
+            .ok_or_else(|| BackendError::Plan("no SWA kernel for this attention shape".into()))?;
     let num_k = ch.pos0 - ch.lo + ch.n;
     let range = SwaRange {
         num_q: ch.n,
@@ -499,14 +556,14 @@ fn swa_chunk(c: &Ctx<'_>, ch: &SwaChunk, scale: f32, sc: &mut Scratch) -> Result
         trunc_start: ch.trunc,
     };
     let kv = sc.kbuf.slice(ch.kb0 * row..(ch.kb0 + num_k) * row);
-    c.k.swa.run(
+    swa.run(
         c.gpu,
         &range,
         &sc.q.slice(ch.tok0 * qd..(ch.tok0 + ch.n) * qd),
         &kv,
         &kv,
         scale,
-        &mut sc.att.slice_mut(ch.tok0 * qd..(ch.tok0 + ch.n) * qd),
+        &mut sc.att.slice_mut(ch.tok0 * od..(ch.tok0 + ch.n) * od),
     )?;
     Ok(())
 }
@@ -516,7 +573,7 @@ fn swa_chunk(c: &Ctx<'_>, ch: &SwaChunk, scale: f32, sc: &mut Scratch) -> Result
 #[allow(clippy::too_many_arguments)]
 fn swa_ring(
     c: &Ctx<'_>,
-    rows: &DeviceRows,
+    rows: &GlobalRows<'_>,
     rings: &mut CudaSlice<bf16>,
     layer_off: usize,
     t: usize,
@@ -534,13 +591,8 @@ fn swa_ring(
                 .write_kv_unchecked(g, &sc.k, t, ring_slots, &mut view, rl)
         }?;
     }
-    let tps = k.att.default_tokens_per_split(rows);
-    k.att.ensure_workspace(g, rows, tps, &mut sc.att_ws)?;
-    let ws = sc.att_ws.as_mut().expect("ensured above");
     let view = rings.slice(layer_off..);
-    k.att
-        .run(g, &sc.q, &view, rl, rows, tps, ws, scale, &mut sc.att)?;
-    Ok(())
+    c.attend(rows, &sc.q, &view, rl, scale, &mut sc.att, &mut sc.att_ws)
 }
 
 /// An encoder layer's own global attention: the step's rows also go to global layer
@@ -559,7 +611,7 @@ fn own_global_attention(
     sc: &mut Scratch,
 ) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
-    let (hd, qd) = (m.hidden, m.q_dim());
+    let (hd, od) = (m.hidden, m.o_dim());
     let off = gl_layer * m.block_size * m.kv_row();
     {
         let mut view = pool.slice_mut(off..);
@@ -578,7 +630,7 @@ fn own_global_attention(
         &mut sc.att_ws,
     )?;
     c.mark(Phase::Gemm)?;
-    linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, qd, true)?;
+    linear_bf16_beta(g, &sc.att, &lw.wo, &mut sc.h, t, hd, od, true)?;
     c.mark(Phase::Elementwise)
 }
 
@@ -593,7 +645,7 @@ fn cross_attention(
     sc: &mut Scratch,
 ) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
-    let (hd, qd) = (m.hidden, m.q_dim());
+    let (hd, qd, od) = (m.hidden, m.q_dim(), m.o_dim());
     k.norm
         .run(g, &sc.h, &cw.norm, t, hd, m.norm_eps, &mut sc.xn)?;
     c.mark(Phase::Gemm)?;
@@ -608,7 +660,7 @@ fn cross_attention(
         &mut sc.att_ws,
     )?;
     c.mark(Phase::Gemm)?;
-    linear_bf16_beta(g, &sc.att, &cw.wo, &mut sc.h, t, hd, qd, true)?;
+    linear_bf16_beta(g, &sc.att, &cw.wo, &mut sc.h, t, hd, od, true)?;
     c.mark(Phase::Elementwise)
 }
 
@@ -881,10 +933,11 @@ fn encoder_inputs(b: &CudaBackend, p: &PrefillPlan, blocks: &[Vec<u32>]) -> Enco
     inp
 }
 
-/// Global-KV query rows as uploaded for one of the two kernels (see [`GlobalRows`]).
+/// Query rows as uploaded for one of the kernels (see [`GlobalRows`]).
 enum UploadedRows {
     Split(DeviceRows),
     Prefill(PrefillRows),
+    Mla(MlaRows),
 }
 
 impl UploadedRows {
@@ -892,8 +945,24 @@ impl UploadedRows {
         match self {
             UploadedRows::Split(r) => GlobalRows::Split(r),
             UploadedRows::Prefill(r) => GlobalRows::Prefill(r),
+            UploadedRows::Mla(r) => GlobalRows::Mla(r),
         }
     }
+}
+
+/// `rows` uploaded for the split kernels of the model's shape: the MLA kernel, or the GQA
+/// split decode kernels.
+fn upload_split(
+    b: &CudaBackend,
+    layout: &KvLayout,
+    tables: &BlockTables,
+    rows: &QueryRows,
+) -> Result<UploadedRows, BackendError> {
+    let g = &*b.gpu;
+    Ok(match &b.k.mla {
+        Some(mla) => UploadedRows::Mla(mla.upload(g, layout, tables, rows)?),
+        None => UploadedRows::Split(b.k.att.upload(g, layout, tables, rows)?),
+    })
 }
 
 /// Which layers a stack pass runs: the encoder's, each also writing its own global KV layer
@@ -1038,7 +1107,7 @@ fn encoder_rows(
     let (g, gl) = (&*b.gpu, b.global_layout());
     Ok(match &b.k.prefill {
         Some(pk) => UploadedRows::Prefill(pk.upload(g, &gl, &enc_tables, &enc_rows)?),
-        None => UploadedRows::Split(b.k.att.upload(g, &gl, &enc_tables, &enc_rows)?),
+        None => upload_split(b, &gl, &enc_tables, &enc_rows)?,
     })
 }
 
@@ -1162,7 +1231,7 @@ fn replay_decoder(
         Some(pk) if pk.fills_device(&inp.query) => {
             UploadedRows::Prefill(pk.upload(&g, &gl, &per_seq, &inp.query)?)
         }
-        _ => UploadedRows::Split(b.k.att.upload(&g, &gl, &per_seq, &inp.query)?),
+        _ => upload_split(b, &gl, &per_seq, &inp.query)?,
     };
     let swa_dec = swa_tiles(b, &inp.chunks, inp.kbuf_rows)?;
     let stack = StackInputs {
@@ -1269,13 +1338,13 @@ pub(super) fn decode(
     let max_pos = inp.kv_lens.iter().copied().max().unwrap_or(1);
     let (rl, gl) = (b.ring_layout(), b.global_layout());
     let ring_tables = ring_tables(&m, &inp.rings, max_pos);
-    let d_ring_rows = b.k.att.upload(&g, &rl, &ring_tables, &inp.ring_rows)?;
+    let d_ring_rows = upload_split(b, &rl, &ring_tables, &inp.ring_rows)?;
     let per_seq: Vec<Vec<i32>> = blocks
         .iter()
         .map(|v| v.iter().map(|&x| x as i32).collect())
         .collect();
     let cross_rows = QueryRows::decode_verify(&inp.kv_lens, &inp.q_lens);
-    let d_cross = b.k.att.upload(&g, &gl, &tables(&per_seq), &cross_rows)?;
+    let d_cross = upload_split(b, &gl, &tables(&per_seq), &cross_rows)?;
     let d_pos = s.clone_htod(&inp.rows.positions)?;
     let d_ring = s.clone_htod(&inp.rows.ring_slots)?;
     let d_global = s.clone_htod(&inp.global_slots)?;
@@ -1286,8 +1355,8 @@ pub(super) fn decode(
         t,
         pos: &d_pos,
         ring_slots: &d_ring,
-        swa: Swa::Ring(&d_ring_rows),
-        cross: GlobalRows::Split(&d_cross),
+        swa: Swa::Ring(d_ring_rows.as_global()),
+        cross: d_cross.as_global(),
     };
     let encoder = Stack::Encoder {
         global_slots: &d_global,

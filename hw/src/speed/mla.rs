@@ -15,8 +15,10 @@ use crate::timing::{Timing, time_ms};
 /// Tiles swept besides the default: (keys per tile, warps, stages, m-tiles, CTAs per SM, Q in
 /// registers, L2 prefetch). Configurations the shape does not take (shared memory, registers)
 /// are skipped.
-const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 6] = [
+const SWEEP: [(usize, usize, usize, usize, usize, bool, bool); 8] = [
     (16, 2, 2, 1, 4, false, false),
+    (16, 2, 2, 1, 4, false, true),
+    (16, 2, 3, 1, 3, false, false),
     (32, 4, 2, 1, 2, false, false),
     (64, 8, 2, 1, 1, true, false),
     (64, 8, 2, 2, 1, false, false),
@@ -98,6 +100,11 @@ fn mla_configs(
     if !sweep {
         return Ok(configs);
     }
+    // the default with the other copy of its key tiles: the two copies compared in one run
+    configs.push(MlaConfig {
+        general_copy: !default.general_copy,
+        ..default
+    });
     for (keys_per_tile, warps, stages, m_tiles, min_blocks, q_in_registers, l2_prefetch) in SWEEP {
         let c = MlaConfig {
             keys_per_tile,
@@ -108,6 +115,7 @@ fn mla_configs(
             q_in_registers,
             l2_prefetch,
             swapped: false,
+            general_copy: false,
         };
         if !configs.contains(&c) && c.validate_for(shape).is_ok() {
             configs.push(c);
@@ -134,10 +142,10 @@ struct MlaSweep {
 }
 
 /// A trial's label in the row's note: `[T]keys x warps x stages x m-tiles/CTAs per SM
-/// bound(resident)[Q][P] @tokens per split: GB/s`.
+/// bound(resident)[Q][P][G] @tokens per split: GB/s`.
 fn trial_label(cfg: &MlaConfig, resident: usize, tps: usize, gbps: f64) -> String {
     format!(
-        "{}{}x{}x{}x{}/{}({resident}){}{} @{tps}: {:.0}",
+        "{}{}x{}x{}x{}/{}({resident}){}{}{} @{tps}: {:.0}",
         if cfg.swapped { "T" } else { "" },
         cfg.keys_per_tile,
         cfg.warps,
@@ -146,6 +154,7 @@ fn trial_label(cfg: &MlaConfig, resident: usize, tps: usize, gbps: f64) -> Strin
         cfg.min_blocks,
         if cfg.q_in_registers { "Q" } else { "" },
         if cfg.l2_prefetch { "P" } else { "" },
+        if cfg.general_copy { "G" } else { "" },
         gbps
     )
 }
@@ -272,7 +281,7 @@ pub fn measure_mla_decode(
         unit: "GB/s",
         ratio: Some(rate / ceilings.copy),
         note: format!(
-            "KV bytes read; {}; best {} tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, {per_sm} resident, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial ([T: swapped kernel]keys x warps x stages x m-tiles/CTAs per SM bound(resident)[Q: Q in registers][P: L2 prefetch] @tokens per split: GB/s): {}",
+            "KV bytes read; {}; best {} tiles {} keys x {} warps x {} stages x {} m-tiles ({} CTAs/SM bound, {per_sm} resident, Q in registers {}, L2 prefetch {}), {tps} tokens/split, of {} tiles tried; {regs} regs, {local} B local{default_note}; every trial ([T: swapped kernel]keys x warps x stages x m-tiles/CTAs per SM bound(resident)[Q: Q in registers][P: L2 prefetch][G: general copy] @tokens per split: GB/s): {}",
             ceilings.note(rate),
             if cfg.swapped { "swapped" } else { "shared" },
             cfg.keys_per_tile,

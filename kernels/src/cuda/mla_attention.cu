@@ -60,6 +60,10 @@ __device__ __forceinline__ unsigned int smem_addr(const void* p) {
 #ifndef PF
 #define PF 0
 #endif
+// GC = 1: every tile through the general copy (for comparing it with issue_contiguous).
+#ifndef GC
+#define GC 0
+#endif
 __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
 #if PF
     // also ask L2 to fetch the whole 256-byte segment around the chunk (PF = 1)
@@ -67,6 +71,23 @@ __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, in
 #else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
 #endif
+}
+
+// A whole tile of TK latent rows that are contiguous in the pool (one latent head, so the row
+// stride is D_QK; the tile inside one pool block; no key past the split) into a ring stage at
+// shared address `base`. This is the common case of long decode splits: a thread's chunks then
+// lie a fixed stride apart in global memory, so a copy costs an address increment instead of
+// the general path's division, block choice and bounds check, which otherwise make up most of
+// the instructions a thread issues per tile. Chunk f is row f / NCH16, column f % NCH16; its
+// shared offset kk * ROWP + c * 8 equals 8 f + kk * (ROWP - D_QK).
+__device__ __forceinline__ void issue_contiguous(unsigned int base, const bf16_t* tile, int tid) {
+    const bf16_t* src = tile + tid * 8;
+#pragma unroll
+    for (int j = 0; j < (TK * NCH16 + THREADS - 1) / THREADS; ++j) {
+        const int f = tid + THREADS * j;
+        if ((TK * NCH16) % THREADS == 0 || f < TK * NCH16)
+            cp_async16(base + (8 * f + (f / NCH16) * (ROWP - D_QK)) * 2, src + THREADS * 8 * j, 16);
+    }
 }
 
 __device__ __forceinline__ void mma16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
@@ -181,6 +202,10 @@ mla_decode_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     auto issue = [&](int ts, int stage, int pa, int pb) {
         const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
         const int o0 = ts % block_size;
+        if (!GC && row_stride == D_QK && o0 + TK <= block_size && ts + TK <= s1) {
+            issue_contiguous(base, kv_h + (i64)pa * block_stride + (i64)o0 * D_QK, tid);
+            return;
+        }
 #pragma unroll
         for (int j = 0; j < (TK * NCH16 + THREADS - 1) / THREADS; ++j) {
             const int f = tid + THREADS * j;
@@ -557,6 +582,10 @@ mla_decode_swapped(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
     auto issue = [&](int ts, int stage, int pa, int pb) {
         const unsigned int base = tiles_s + stage * (TK * ROWP * 2);
         const int o0 = ts % block_size;
+        if (!GC && row_stride == D_QK && o0 + TK <= block_size && ts + TK <= s1) {
+            issue_contiguous(base, kv_h + (i64)pa * block_stride + (i64)o0 * D_QK, tid);
+            return;
+        }
 #pragma unroll
         for (int j = 0; j < (TK * NCH16 + THREADS - 1) / THREADS; ++j) {
             const int f = tid + THREADS * j;
