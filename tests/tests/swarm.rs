@@ -137,7 +137,10 @@ fn the_checker_catches_broken_invariants() {
     sh.store
         .put(Nanos(1), BlockKey(5), 100, TrafficClass::Agent);
     for n in 0..3 {
-        sh.store.fail_node(Nanos(2), StorageNodeId(n));
+        sh.store
+            .owned_mut()
+            .expect("a unit alone owns its store")
+            .fail_node(Nanos(2), StorageNodeId(n));
     }
     let mut c = Checker::new(2);
     c.arrival(Nanos(3), 1);

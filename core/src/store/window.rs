@@ -117,10 +117,10 @@ impl StoreWindow {
     /// Whether `key` is present at `now` for this unit.
     #[inline]
     fn present(&self, now: Nanos, key: BlockKey) -> bool {
-        if let Some(&expires) = self.overlay.get(&key) {
-            if expires > now {
-                return true;
-            }
+        if let Some(&expires) = self.overlay.get(&key)
+            && expires > now
+        {
+            return true;
         }
         self.base().holds_at(now, key)
     }
@@ -227,10 +227,10 @@ pub fn merge(store: &mut KvStore, windows: &mut [&mut StoreWindow], end: Nanos) 
         // A few units: a scan for the earliest head is cheaper than a heap.
         let mut pick: Option<(Nanos, usize)> = None;
         for (u, w) in windows.iter().enumerate() {
-            if let Some(op) = w.ops.get(next[u]) {
-                if pick.is_none_or(|(t, _)| op.at < t) {
-                    pick = Some((op.at, u));
-                }
+            if let Some(op) = w.ops.get(next[u])
+                && pick.is_none_or(|(t, _)| op.at < t)
+            {
+                pick = Some((op.at, u));
             }
         }
         let Some((_, u)) = pick else {

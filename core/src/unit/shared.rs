@@ -23,6 +23,9 @@ pub struct SharedCache {
 /// run one input at a time), or its view of a store shared with units on other threads for
 /// one window of a parallel run ([`crate::store::window`]). Reads that do not move the store's
 /// clock go through `Deref`; the calls below are the ones a unit makes.
+// One per unit, and the owned store is the single-unit hot path: a box would add an
+// indirection to every lookup for no memory worth saving.
+#[allow(clippy::large_enum_variant)]
 pub enum StoreAccess {
     Owned(KvStore),
     Window(StoreWindow),
