@@ -172,7 +172,8 @@ pub fn run_with(
         servelab_core::unit::run_cluster(&mut members, &mut shared, &mut NoObserver)?;
     } else {
         let store = std::mem::replace(&mut shared.store, StoreAccess::Window(Default::default()));
-        let store = crate::windows::run(&mut members, store.into_owned(), how)?;
+        let (ran, store) = crate::windows::run(members, store.into_owned(), how)?;
+        members = ran;
         shared.store = StoreAccess::Owned(store);
     }
     report(units, members, shared)
@@ -311,18 +312,7 @@ mod tests {
     #[test]
     fn units_share_the_store_and_keep_their_sessions() {
         let (s, reqs) = small();
-        let units = [
-            UnitSize {
-                name: "big".into(),
-                prefill_gpus: 4,
-                decode_groups: 2,
-            },
-            UnitSize {
-                name: "small".into(),
-                prefill_gpus: 2,
-                decode_groups: 1,
-            },
-        ];
+        let units = two_units();
         let c = run(&s, &units, &reqs, 7).unwrap();
         let n: u64 = c.units.iter().map(|(_, r)| r.arrivals).sum();
         assert_eq!(n, reqs.len() as u64);

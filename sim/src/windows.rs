@@ -20,18 +20,41 @@ use rayon::prelude::*;
 use servelab_core::store::window::{StoreWindow, merge};
 use servelab_core::unit::drive::{Lookahead, NoObserver, RunError, step};
 use servelab_core::unit::shared::StoreAccess;
-use servelab_core::unit::{Member, SharedCache};
+use servelab_core::unit::{Environment, Member, ServingUnit, SharedCache};
 use servelab_core::{KvStore, Nanos, PerfectCache};
 use std::sync::Arc;
 
 /// A unit with the caches it reaches in a window: its view of the store, its own SWA state
 /// cache and perfect cache.
-struct Windowed<'m, 'a> {
-    member: &'m mut Member<'a, VirtualEnv>,
+struct Windowed<'a> {
+    unit: ServingUnit<'a>,
+    env: VirtualEnv,
     cache: SharedCache,
 }
 
-impl Windowed<'_, '_> {
+impl<'a> Windowed<'a> {
+    /// The member with its SWA cache moved into a window cache of its own.
+    fn new(m: Member<'a, VirtualEnv>) -> Self {
+        Windowed {
+            unit: m.unit,
+            env: m.env,
+            cache: SharedCache {
+                store: StoreAccess::Window(StoreWindow::default()),
+                swa: m.swa,
+                perfect: PerfectCache::new(),
+            },
+        }
+    }
+
+    /// The member again, its SWA cache back in place.
+    fn into_member(self) -> Member<'a, VirtualEnv> {
+        Member {
+            unit: self.unit,
+            env: self.env,
+            swa: self.cache.swa,
+        }
+    }
+
     fn window(&mut self) -> &mut StoreWindow {
         self.cache
             .store
@@ -42,16 +65,14 @@ impl Windowed<'_, '_> {
     /// Handles the unit's inputs due before `end`.
     fn run_until(&mut self, end: Nanos) -> Result<(), RunError> {
         let mut outputs = Vec::new();
-        let m = &mut *self.member;
-        while m.env.next_time().is_some_and(|t| t < end) {
-            let Some(timed) = servelab_core::unit::Environment::next(&mut m.env, &mut m.unit)?
-            else {
+        while self.env.next_time().is_some_and(|t| t < end) {
+            let Some(timed) = self.env.next(&mut self.unit)? else {
                 break;
             };
             step(
-                &mut m.unit,
+                &mut self.unit,
                 &mut self.cache,
-                &mut m.env,
+                &mut self.env,
                 &mut NoObserver,
                 timed,
                 &mut outputs,
@@ -62,49 +83,26 @@ impl Windowed<'_, '_> {
 }
 
 /// Runs `members` over `store` in windows of `how.window` on `how.threads` threads; returns
-/// the store the run left. Each member's SWA cache is its own throughout.
-pub(crate) fn run(
-    members: &mut [Member<'_, VirtualEnv>],
+/// the members and the store the run left. Each member's SWA cache is its own throughout.
+pub(crate) fn run<'a>(
+    members: Vec<Member<'a, VirtualEnv>>,
     store: KvStore,
     how: ClusterRun,
-) -> Result<KvStore, ServiceError> {
+) -> Result<(Vec<Member<'a, VirtualEnv>>, KvStore), ServiceError> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(how.threads as usize)
         .build()
         .map_err(|e| RunError::Environment(format!("cluster threads: {e}")))?;
-    let mut units: Vec<Windowed<'_, '_>> = members
-        .iter_mut()
-        .map(|member| {
-            let swa = std::mem::replace(&mut member.swa, placeholder_swa());
-            Windowed {
-                member,
-                cache: SharedCache {
-                    store: StoreAccess::Window(StoreWindow::default()),
-                    swa,
-                    perfect: PerfectCache::new(),
-                },
-            }
-        })
-        .collect();
-    let r = run_windows(&mut units, store, how, &pool);
-    for u in &mut units {
-        std::mem::swap(&mut u.member.swa, &mut u.cache.swa);
-    }
-    r
-}
-
-/// A one-slot SWA cache held in the member's place while its own is in its window cache.
-fn placeholder_swa() -> servelab_core::SwaCache {
-    let cfg = servelab_core::SwaConfig {
-        machines: 1,
-        slots_per_machine: 1,
-        lifetime: Nanos::from_secs(1),
-    };
-    servelab_core::SwaCache::new(cfg).expect("one machine of one slot is a valid SWA cache")
+    let mut units: Vec<Windowed<'a>> = members.into_iter().map(Windowed::new).collect();
+    let store = run_windows(&mut units, store, how, &pool)?;
+    Ok((
+        units.into_iter().map(Windowed::into_member).collect(),
+        store,
+    ))
 }
 
 fn run_windows(
-    units: &mut [Windowed<'_, '_>],
+    units: &mut [Windowed<'_>],
     mut store: KvStore,
     how: ClusterRun,
     pool: &rayon::ThreadPool,
@@ -112,7 +110,7 @@ fn run_windows(
     let w = how.window.0;
     let mut epoch = 0u64;
     loop {
-        let Some(first) = units.iter().filter_map(|u| u.member.env.next_time()).min() else {
+        let Some(first) = units.iter().filter_map(|u| u.env.next_time()).min() else {
             return Ok(store);
         };
         // The window holding the earliest input: boundaries at multiples of `window`, so

@@ -264,14 +264,20 @@ mod tests {
         range.map(|k| BlockKey(k * 7919 + 1)).collect()
     }
 
-    #[test]
-    fn a_unit_sees_its_own_writes_and_the_others_only_after_the_merge() {
+    /// A store holding `held` blocks written at 1 s, and two units' windows open on it.
+    fn two_views(held: u64) -> (Arc<KvStore>, StoreWindow, StoreWindow) {
         let mut s = store();
-        s.touch_or_insert(Nanos::from_secs(1), &keys(0..4), TrafficClass::Chat);
+        s.touch_or_insert(Nanos::from_secs(1), &keys(0..held), TrafficClass::Chat);
         let base = Arc::new(s);
         let (mut a, mut b) = (StoreWindow::default(), StoreWindow::default());
         a.open(base.clone(), 0);
         b.open(base.clone(), 0);
+        (base, a, b)
+    }
+
+    #[test]
+    fn a_unit_sees_its_own_writes_and_the_others_only_after_the_merge() {
+        let (base, mut a, mut b) = two_views(4);
         let t = Nanos::from_secs(2);
         assert_eq!(a.lookup_prefix(t, &keys(0..8)), 4);
         a.touch_or_insert(t, &keys(0..8), TrafficClass::Chat);
@@ -293,12 +299,7 @@ mod tests {
 
     #[test]
     fn the_view_honours_ttls_and_the_merge_orders_writes_by_time() {
-        let mut s = store();
-        s.touch_or_insert(Nanos::from_secs(1), &keys(0..2), TrafficClass::Chat);
-        let base = Arc::new(s);
-        let (mut a, mut b) = (StoreWindow::default(), StoreWindow::default());
-        a.open(base.clone(), 0);
-        b.open(base.clone(), 0);
+        let (base, mut a, mut b) = two_views(2);
         // Expired at 101 s (written at 1 s with a 100 s TTL) although no call removed it.
         assert!(a.contains(Nanos::from_secs(100), keys(0..1)[0]));
         assert!(!a.contains(Nanos::from_secs(101), keys(0..1)[0]));
