@@ -9,4 +9,5 @@ pub mod config;
 pub mod exp;
 pub mod output;
 pub mod plot;
+pub mod speed;
 pub mod sweep;

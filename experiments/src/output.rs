@@ -66,19 +66,10 @@ impl RunOutput {
         self.write_text("summary.json", &text)
     }
 
-    /// Writes `manifest.json` listing every file written so far.
-    pub fn write_manifest(&mut self, m: &Manifest) -> Result<()> {
-        self.write_manifest_with_speed(m, serde_json::Value::Null)
-    }
-
-    /// [`Self::write_manifest`] with the run's speed figures (simulated time ÷ wall time,
-    /// requests per wall-second) in its `run` section, beside the other facts that differ
-    /// between two runs of the same inputs.
-    pub fn write_manifest_with_speed(
-        &mut self,
-        m: &Manifest,
-        speed: serde_json::Value,
-    ) -> Result<()> {
+    /// Writes `manifest.json` listing every file written so far, with the run's speed figures
+    /// (one per simulation it ran; empty for a run that simulates nothing) in its `run`
+    /// section, beside the other facts that differ between two runs of the same inputs.
+    pub fn write_manifest(&mut self, m: &Manifest, speeds: &[crate::speed::Speed]) -> Result<()> {
         #[derive(Serialize)]
         struct Full<'a> {
             #[serde(flatten)]
@@ -88,7 +79,7 @@ impl RunOutput {
             run: RunRecord,
         }
         let mut run = RunRecord::now();
-        run.speed = speed;
+        run.speed = crate::speed::json(speeds);
         let text = serde_json::to_string_pretty(&Full {
             m,
             files: &self.files,

@@ -100,6 +100,11 @@ fn run_is_byte_identical_for_the_same_seed() {
                     m["run"]["wall_s"].is_number(),
                     "the manifest records the run"
                 );
+                // One speed row per workload replayed (the config has one).
+                let speed = m["run"]["speed"].as_array().expect("speed rows");
+                assert_eq!(speed.len(), 1, "{speed:?}");
+                assert!(speed[0]["simulated_per_wall"].as_f64().unwrap() > 0.0);
+                assert_eq!(speed[0]["counted"], "requests");
                 m.as_object_mut().unwrap().remove("run");
                 (n, serde_json::to_vec(&m).unwrap())
             })

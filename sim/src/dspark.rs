@@ -65,6 +65,10 @@ pub struct DsparkResult {
     pub mean_step_ms: f64,
     /// Share of measured steps that ran in dynamic mode.
     pub dynamic_share: f64,
+    /// Simulated time of the whole run, warm-up included (for its speed figures).
+    pub simulated_s: f64,
+    /// Sequences the run admitted, the initial batch included.
+    pub sequences: u64,
 }
 
 pub fn run_point(
@@ -133,7 +137,10 @@ pub fn run_point(
     lp.group
         .check_invariants()
         .map_err(|e| ConfigError::invalid("dspark", e))?;
-    Ok(tally.result(point, (now - t0).as_secs_f64()))
+    let mut result = tally.result(point, (now - t0).as_secs_f64());
+    result.simulated_s = now.as_secs_f64();
+    result.sequences = lp.next_id;
+    Ok(result)
 }
 
 /// CPU time between decode steps: none under asynchronous scheduling, which hides it behind
@@ -237,6 +244,8 @@ impl Tally {
             verified_per_step: self.verified as f64 / plan_seqs,
             mean_step_ms: secs * 1e3 / f64::from(point.steps),
             dynamic_share: self.dyn_steps as f64 / f64::from(point.steps),
+            simulated_s: 0.0,
+            sequences: 0,
         }
     }
 }

@@ -752,12 +752,11 @@ fn write_manifest(out: &mut RunOutput, f: &Findings, class: TrafficClass) -> Res
         "class": class.name(),
         "points_per_decade": a.points_per_decade,
     });
-    out.write_manifest(&Manifest::new(
-        "mrc",
-        &a.trace,
-        &serde_json::to_string_pretty(&config)?,
-        0,
-    ))
+    out.write_manifest(
+        &Manifest::new("mrc", &a.trace, &serde_json::to_string_pretty(&config)?, 0),
+        // The passes' speed figures are in `summary.json` (`speed`), which the command prints.
+        &[],
+    )
 }
 
 impl Findings<'_> {

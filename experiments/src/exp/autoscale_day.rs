@@ -10,6 +10,7 @@
 use super::RunContext;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use serde::Deserialize;
@@ -96,11 +97,14 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     )
     .map_err(|e| anyhow!("{path}: {e}"))?;
     let mut outcomes = Vec::new();
+    let mut speeds = Vec::new();
     for p in &cfg.day.policies {
         let mut s = cfg.service.clone();
         s.autoscale = p.autoscale.clone();
+        let started = std::time::Instant::now();
         let rep = simulate(&s, &trace.requests, seed)
             .map_err(|e| anyhow!("{path}: policy {}: {e}", p.name))?;
+        speeds.push(Speed::of_service(&p.name, started, &rep));
         let hours = hours(&rep, &s, &cfg.day);
         outcomes.push(Outcome {
             name: p.name.clone(),
@@ -120,13 +124,12 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         headline.insert(format!("{}.slo_attainment", o.name), attainment(o));
     }
     out.write_summary_json(&headline)?;
-    out.write_manifest(&Manifest::new(
-        "autoscale-day",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
+    out.write_manifest(
+        &Manifest::new("autoscale-day", &ctx.config.path, &ctx.config.text, seed),
+        &speeds,
+    )?;
     println!("{text}");
+    crate::speed::print(&speeds);
     Ok(())
 }
 

@@ -5,6 +5,7 @@ use super::{RunContext, progress};
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
 use crate::plot;
+use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use rayon::prelude::*;
@@ -141,7 +142,7 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     let path = ctx.config.path.display().to_string();
     let replay_cfg = replay_config(&cfg, &path)?;
     let seed = ctx.seed();
-    let reports = replay_workloads(ctx, &cfg, &replay_cfg, &path, seed)?;
+    let (reports, speeds) = replay_workloads(ctx, &cfg, &replay_cfg, &path, seed)?;
 
     let mut out = RunOutput::create(&ctx.out)?;
     let names: Vec<String> = cfg.workload.iter().map(|w| w.name.clone()).collect();
@@ -166,13 +167,12 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         &cols[..1],
     )?);
     out.write_summary_json(&headline)?;
-    out.write_manifest(&Manifest::new(
-        "cache-policy",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
+    out.write_manifest(
+        &Manifest::new("cache-policy", &ctx.config.path, &ctx.config.text, seed),
+        &speeds,
+    )?;
     println!("{summary}");
+    crate::speed::print(&speeds);
     println!("wrote {}", ctx.out.display());
     Ok(())
 }
@@ -205,25 +205,37 @@ fn replay_workloads(
     replay_cfg: &ReplayConfig,
     path: &str,
     seed: u64,
-) -> Result<Vec<(usize, ReplayReport)>> {
+) -> Result<(Vec<(usize, ReplayReport)>, Vec<Speed>)> {
     let pb = progress(ctx, cfg.workload.len() as u64, "workloads");
-    let results: Vec<Result<(usize, ReplayReport)>> = cfg
+    let results: Vec<Result<(usize, ReplayReport, Speed)>> = cfg
         .workload
         .par_iter()
         .enumerate()
         .map(|(i, w)| {
             let trace = generate(&w.mix, seed, cfg.constants.block_tokens)
                 .map_err(|e| anyhow!("{path}: workload `{}`: {e}", w.name))?;
+            let started = std::time::Instant::now();
             let rep =
                 replay(&trace, replay_cfg, &cfg.policies).map_err(|e| anyhow!("{path}: {e}"))?;
+            let span = trace
+                .requests
+                .last()
+                .map_or(0.0, |r| r.arrival.as_secs_f64());
+            let wall = started.elapsed().as_secs_f64();
+            let speed = Speed::new(&w.name, wall, span, rep.requests);
             pb.inc(1);
-            Ok((i, rep))
+            Ok((i, rep, speed))
         })
         .collect();
     pb.finish_and_clear();
-    let mut reports: Vec<(usize, ReplayReport)> = results.into_iter().collect::<Result<_>>()?;
-    reports.sort_by_key(|(i, _)| *i);
-    Ok(reports)
+    let mut reports: Vec<(usize, ReplayReport, Speed)> =
+        results.into_iter().collect::<Result<_>>()?;
+    reports.sort_by_key(|(i, ..)| *i);
+    let speeds = reports.iter().map(|r| r.2.clone()).collect();
+    Ok((
+        reports.into_iter().map(|(i, r, _)| (i, r)).collect(),
+        speeds,
+    ))
 }
 
 /// Writes the tidy long table, one row per workload × policy, and returns it.

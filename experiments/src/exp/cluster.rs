@@ -6,6 +6,7 @@
 use super::RunContext;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::speed::Speed;
 use anyhow::{Result, anyhow};
 use polars::prelude::*;
 use rayon::prelude::*;
@@ -125,28 +126,20 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         summary(&rows, cfg.cluster.units.len(), peak) + &speed_summary(&runs, cfg.cluster.window);
     out.write_text("summary.md", &text)?;
     out.write_summary_json(&headline(&rows, &runs))?;
-    let last = runs.last().expect("at least the sequential run");
     let simulated = rows.iter().map(|r| r.rep.simulated_s).fold(0.0, f64::max);
-    let speed = serde_json::json!({
-        "wall_s": last.wall_s,
-        "threads": last.threads,
-        "simulated_per_wall": simulated / last.wall_s.max(1e-9),
-        "requests_per_wall_s": trace.requests.len() as f64 / last.wall_s.max(1e-9),
-    });
+    let requests = trace.requests.len() as u64;
+    let speeds: Vec<Speed> = runs
+        .iter()
+        .map(|t| {
+            let plural = if t.threads == 1 { "" } else { "s" };
+            let label = format!("{}, {} thread{plural}", t.label, t.threads);
+            Speed::new(label, t.wall_s, simulated, requests)
+        })
+        .collect();
     let m = Manifest::new("cluster", &ctx.config.path, &ctx.config.text, seed);
-    out.write_manifest_with_speed(&m, speed)?;
+    out.write_manifest(&m, &speeds)?;
     println!("{text}");
-    for t in &runs {
-        println!(
-            "cluster ({}, {} thread{}): {simulated:.0} s simulated in {:.1} s wall ({:.0}x real time, {:.0} requests/s)",
-            t.label,
-            t.threads,
-            if t.threads == 1 { "" } else { "s" },
-            t.wall_s,
-            simulated / t.wall_s.max(1e-9),
-            trace.requests.len() as f64 / t.wall_s.max(1e-9)
-        );
-    }
+    crate::speed::print(&speeds);
     Ok(())
 }
 

@@ -3,6 +3,7 @@
 use super::RunContext;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use rayon::prelude::*;
@@ -49,7 +50,10 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     validate(&cfg, &path)?;
     let profile = HardwareProfile::resolve(&cfg.profile).map_err(|e| anyhow!("{path}: {e}"))?;
     let seed = ctx.seed();
-    let results = run_points(ctx, &cfg, &profile, &path, seed)?;
+    let (results, speeds): (Vec<DsparkResult>, Vec<Speed>) =
+        run_points(ctx, &cfg, &profile, &path, seed)?
+            .into_iter()
+            .unzip();
     let mut out = RunOutput::create(&ctx.out)?;
     let df = write_table(&mut out, &cfg, &results)?;
     let bars = |dynamic: bool| -> Vec<f64> {
@@ -80,13 +84,12 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     out.write_text("summary.md", &summary)?;
     let keys = ["seqs_per_rank", "verification"];
     out.write_summary_json(&crate::sweep::headline::from_frame(&df, &keys)?)?;
-    out.write_manifest(&Manifest::new(
-        "dspark",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
+    out.write_manifest(
+        &Manifest::new("dspark", &ctx.config.path, &ctx.config.text, seed),
+        &speeds,
+    )?;
     println!("{summary}");
+    crate::speed::print(&speeds);
     Ok(())
 }
 
@@ -130,12 +133,12 @@ fn run_points(
     profile: &HardwareProfile,
     path: &str,
     seed: u64,
-) -> Result<Vec<DsparkResult>> {
+) -> Result<Vec<(DsparkResult, Speed)>> {
     let jobs: Vec<(usize, bool)> = (0..cfg.seqs_per_rank.len())
         .flat_map(|i| [(i, false), (i, true)])
         .collect();
     let pb = super::progress(ctx, jobs.len() as u64, "dspark");
-    let results: Vec<Result<DsparkResult>> = jobs
+    let results: Vec<Result<(DsparkResult, Speed)>> = jobs
         .par_iter()
         .map(|&(i, dynamic)| {
             let point = DsparkPoint {
@@ -143,10 +146,20 @@ fn run_points(
                 ..cfg.point.clone()
             };
             let pol = if dynamic { &cfg.dynamic } else { &cfg.fixed };
+            let started = std::time::Instant::now();
             let r = run_point(&point, pol, profile, &cfg.acceptance, seed)
-                .map_err(|e| anyhow!("{path}: {e}"));
+                .map_err(|e| anyhow!("{path}: {e}"))?;
+            let label = format!(
+                "{} seq/rank, {}",
+                point.seqs_per_rank,
+                if dynamic { "dynamic" } else { "fixed" }
+            );
+            let wall = started.elapsed().as_secs_f64();
             pb.inc(1);
-            r
+            Ok((
+                r.clone(),
+                Speed::counting(label, wall, r.simulated_s, "sequences", r.sequences),
+            ))
         })
         .collect();
     pb.finish_and_clear();

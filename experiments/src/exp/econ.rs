@@ -387,12 +387,16 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         &crossings,
         &["decode_tps"],
     )?)?;
-    out.write_manifest(&Manifest::new(
-        &ctx.config.header.kind,
-        &ctx.config.path,
-        &ctx.config.text,
-        ctx.seed(),
-    ))?;
+    out.write_manifest(
+        &Manifest::new(
+            &ctx.config.header.kind,
+            &ctx.config.path,
+            &ctx.config.text,
+            ctx.seed(),
+        ),
+        // Closed-form curves: nothing is simulated, so no speed figures.
+        &[],
+    )?;
     print!("{text}");
     println!("\nwrote {}", out.dir().display());
     Ok(())

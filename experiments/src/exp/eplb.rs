@@ -8,6 +8,7 @@ use super::{RunContext, progress};
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
 use crate::plot;
+use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use rayon::prelude::*;
@@ -178,7 +179,8 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     let path = ctx.config.path.display().to_string();
     validate(&cfg, &path)?;
     let seed = ctx.seed();
-    let traces = simulate(ctx, &cfg, &path, seed)?;
+    let (traces, speeds): (Vec<Vec<Trace>>, Vec<Speed>) =
+        simulate(ctx, &cfg, &path, seed)?.into_iter().unzip();
 
     let mut out = RunOutput::create(&ctx.out)?;
     let series = write_time_series(&mut out, &cfg, &traces)?;
@@ -201,13 +203,12 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     out.write_text("summary.md", &summary_md(&cfg, &path, seed, &table))?;
     let keys = ["scenario", "policy"];
     out.write_summary_json(&crate::sweep::headline::from_frame(&summary_df, &keys)?)?;
-    out.write_manifest(&Manifest::new(
-        "eplb",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
+    out.write_manifest(
+        &Manifest::new("eplb", &ctx.config.path, &ctx.config.text, seed),
+        &speeds,
+    )?;
     println!("{table}");
+    crate::speed::print(&speeds);
     println!("wrote {}", ctx.out.display());
     Ok(())
 }
@@ -281,9 +282,14 @@ fn validate_scenario(cfg: &EplbConfig, s: &Scenario, path: &str) -> Result<()> {
 }
 
 /// Runs the scenarios in parallel: one trace per scenario and policy, in config order.
-fn simulate(ctx: &RunContext, cfg: &EplbConfig, path: &str, seed: u64) -> Result<Vec<Vec<Trace>>> {
+fn simulate(
+    ctx: &RunContext,
+    cfg: &EplbConfig,
+    path: &str,
+    seed: u64,
+) -> Result<Vec<(Vec<Trace>, Speed)>> {
     let pb = progress(ctx, cfg.scenario.iter().map(|s| s.steps).sum(), "steps");
-    let results: Vec<Result<Vec<Trace>>> = cfg
+    let results: Vec<Result<(Vec<Trace>, Speed)>> = cfg
         .scenario
         .par_iter()
         .map(|s| {
@@ -291,8 +297,15 @@ fn simulate(ctx: &RunContext, cfg: &EplbConfig, path: &str, seed: u64) -> Result
                 Phase::Prefill => &cfg.skew.prefill,
                 Phase::Decode => &cfg.skew.decode,
             };
-            run_scenario(&cfg.model, skew, s, seed, &pb)
-                .map_err(|e| anyhow!("{path}: scenario `{}`: {e}", s.name))
+            let started = std::time::Instant::now();
+            let traces = run_scenario(&cfg.model, skew, s, seed, &pb)
+                .map_err(|e| anyhow!("{path}: scenario `{}`: {e}", s.name))?;
+            let wall = started.elapsed().as_secs_f64();
+            // Every policy of the scenario steps through the same steps.
+            let steps = s.steps * s.policy.len() as u64;
+            let simulated = Nanos(s.steps.saturating_mul(s.step_time.0)).as_secs_f64();
+            let speed = Speed::counting(&s.name, wall, simulated, "steps", steps);
+            Ok((traces, speed))
         })
         .collect();
     pb.finish_and_clear();

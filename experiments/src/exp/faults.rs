@@ -7,6 +7,7 @@
 use super::RunContext;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::speed::Speed;
 use anyhow::{Result, anyhow};
 use polars::prelude::*;
 use serde::Deserialize;
@@ -111,14 +112,17 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     let trace = servelab_workloads::generate::generate(&cfg.workload, seed, bs)
         .map_err(|e| anyhow!("{path}: {e}"))?;
     let mut rows = Vec::new();
+    let mut speeds = Vec::new();
     for case in &cfg.campaign.cases {
         let mut s = cfg.service.clone();
         s.store.failures.extend(case.store_failures.iter().cloned());
         if let Some(f) = &case.faults {
             s.faults = f.clone();
         }
+        let started = std::time::Instant::now();
         let rep = simulate(&s, &trace.requests, seed)
             .map_err(|e| anyhow!("{path}: case {}: {e}", case.name))?;
+        speeds.push(Speed::of_service(&case.name, started, &rep));
         let at = case.at.as_secs_f64();
         let w = cfg.campaign.window.as_secs_f64();
         let rebuild_s = rep
@@ -150,13 +154,12 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         rows.iter().map(|r| r.lost() as f64).sum(),
     );
     out.write_summary_json(&headline)?;
-    out.write_manifest(&Manifest::new(
-        "faults",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
+    out.write_manifest(
+        &Manifest::new("faults", &ctx.config.path, &ctx.config.text, seed),
+        &speeds,
+    )?;
     println!("{text}");
+    crate::speed::print(&speeds);
     Ok(())
 }
 

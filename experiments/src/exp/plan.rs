@@ -14,6 +14,7 @@ use super::{RunContext, progress};
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
 use crate::plot;
+use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use rayon::prelude::*;
@@ -80,6 +81,9 @@ pub struct Candidate {
     pub rejected_share: f64,
     pub feasible: bool,
     pub why_not: String,
+    /// Its simulation's speed (differs between two runs of the same inputs: stdout and the
+    /// manifest only).
+    pub speed: Speed,
 }
 
 impl Candidate {
@@ -174,16 +178,18 @@ pub fn simulate_candidates(
             // SWA slots live on every machine of the unit.
             sc.swa.machines = p.div_ceil(sc.prefill.gpus_per_machine.max(1))
                 + d.div_ceil(sc.decode.gpus_per_machine.max(1));
+            let started = std::time::Instant::now();
             let report = simulate(&sc, &trace.requests, seed)
                 .map_err(|e| anyhow!("candidate {p} prefill + {d} decode GPUs: {e}"))?;
+            let speed = Speed::of_service(format!("{p} + {d} GPUs"), started, &report);
             pb.inc(1);
-            Ok(judge(&cfg.slo, p, d, report))
+            Ok(judge(&cfg.slo, p, d, report, speed))
         })
         .collect();
     results.into_iter().collect()
 }
 
-fn judge(slo: &Slo, p: u32, d: u32, report: ServiceReport) -> Candidate {
+fn judge(slo: &Slo, p: u32, d: u32, report: ServiceReport, speed: Speed) -> Candidate {
     let rejected: u64 = report.rejected.iter().map(|r| r.requests).sum();
     let rejected_share = rejected as f64 / report.arrivals.max(1) as f64;
     let mut why = Vec::new();
@@ -216,6 +222,7 @@ fn judge(slo: &Slo, p: u32, d: u32, report: ServiceReport) -> Candidate {
         why_not: why.join("; "),
         rejected_share,
         report,
+        speed,
     }
 }
 
@@ -346,15 +353,15 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     plot_frontier(&mut out, &front)?;
 
     let summary = summary_md(&cfg, &path, seed, &trace, &cands, stores.as_deref())?;
+    let speeds: Vec<Speed> = cands.iter().map(|c| c.speed.clone()).collect();
     out.write_text("summary.md", &summary)?;
     out.write_summary_json(&crate::sweep::headline::plan(&cands, best(&cands)))?;
-    out.write_manifest(&Manifest::new(
-        "plan",
-        &ctx.config.path,
-        &ctx.config.text,
-        seed,
-    ))?;
+    out.write_manifest(
+        &Manifest::new("plan", &ctx.config.path, &ctx.config.text, seed),
+        &speeds,
+    )?;
     println!("{summary}");
+    crate::speed::print(&speeds);
     Ok(())
 }
 

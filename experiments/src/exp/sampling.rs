@@ -11,6 +11,7 @@
 use super::RunContext;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use rayon::prelude::*;
@@ -148,18 +149,10 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     out.write_text("summary.md", &text)?;
     out.write_summary_json(&headline(&points))?;
     let m = Manifest::new("sampling", &ctx.config.path, &ctx.config.text, seed);
-    out.write_manifest_with_speed(&m, speed(&points))?;
+    let speeds = speeds(&points);
+    out.write_manifest(&m, &speeds)?;
     println!("{text}");
-    for p in &points {
-        println!(
-            "1 in {}: {:.0} s simulated in {:.1} s wall ({:.0}x real time, {:.0} requests/s)",
-            p.one_in,
-            p.rep.simulated_s,
-            p.wall_s,
-            p.rep.simulated_s / p.wall_s.max(1e-9),
-            p.rep.arrivals as f64 / p.wall_s.max(1e-9)
-        );
-    }
+    crate::speed::print(&speeds);
     Ok(())
 }
 
@@ -295,17 +288,12 @@ fn headline(points: &[Point]) -> BTreeMap<String, f64> {
     h
 }
 
-fn speed(points: &[Point]) -> serde_json::Value {
-    let rows: Vec<serde_json::Value> = points
+fn speeds(points: &[Point]) -> Vec<Speed> {
+    points
         .iter()
         .map(|p| {
-            serde_json::json!({
-                "one_in": p.one_in,
-                "wall_s": p.wall_s,
-                "simulated_per_wall": p.rep.simulated_s / p.wall_s.max(1e-9),
-                "requests_per_wall_s": p.rep.arrivals as f64 / p.wall_s.max(1e-9),
-            })
+            let label = format!("1 in {}", p.one_in);
+            Speed::new(label, p.wall_s, p.rep.simulated_s, p.rep.arrivals)
         })
-        .collect();
-    serde_json::Value::Array(rows)
+        .collect()
 }

@@ -4,6 +4,7 @@ use super::RunContext;
 use super::trace_source::TraceFile;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::speed::Speed;
 use anyhow::{Result, anyhow};
 use polars::prelude::*;
 use serde::Deserialize;
@@ -59,20 +60,16 @@ pub fn run(ctx: &RunContext) -> Result<()> {
         rep.events,
         rep.events as f64 / wall / 1e6
     );
-    let speed = serde_json::json!({
-        "wall_s": wall,
-        "simulated_per_wall": rep.simulated_s / wall.max(1e-9),
-        "requests_per_wall_s": rep.arrivals as f64 / wall.max(1e-9),
-    });
+    let speed = Speed::new("service", wall, rep.simulated_s, rep.arrivals);
     let mut out = RunOutput::create(&ctx.out)?;
     write_tables(&mut out, &rep)?;
     let summary = summary(&rep, &cfg.service);
     out.write_text("summary.md", &summary)?;
     write_plots(&mut out, &rep)?;
     out.write_summary_json(&crate::sweep::headline::service(&rep))?;
-    out.write_manifest_with_speed(
+    out.write_manifest(
         &Manifest::new("service", &ctx.config.path, &ctx.config.text, seed),
-        speed,
+        &[speed],
     )?;
     println!("{summary}");
     Ok(())

@@ -12,6 +12,7 @@
 use super::RunContext;
 use crate::config::ExperimentHeader;
 use crate::output::{Manifest, RunOutput, markdown_table};
+use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use rayon::prelude::*;
@@ -262,11 +263,10 @@ pub fn run(ctx: &RunContext) -> Result<()> {
     out.write_text("summary.md", &text)?;
     out.write_summary_json(&headline(&cfg.days, &runs))?;
     let manifest = Manifest::new("ttl-days", &ctx.config.path, &ctx.config.text, seed);
-    out.write_manifest_with_speed(&manifest, speed(&cfg.days, &runs))?;
+    let speeds = speeds(&cfg.days, &runs);
+    out.write_manifest(&manifest, &speeds)?;
     println!("{text}");
-    for s in speed_lines(&cfg.days, &runs) {
-        println!("{s}");
-    }
+    crate::speed::print(&speeds);
     Ok(())
 }
 
@@ -567,36 +567,13 @@ fn headline(d: &Days, runs: &[Run]) -> BTreeMap<String, f64> {
     h
 }
 
-/// Simulated time ÷ wall time and requests per wall-second, per run (in the manifest's
-/// run section: they differ between two runs of the same inputs).
-fn speed(d: &Days, runs: &[Run]) -> serde_json::Value {
-    let rows: Vec<serde_json::Value> = runs
-        .iter()
-        .map(|r| {
-            serde_json::json!({
-                "scenario": d.scenario[r.scenario].name,
-                "one_in": r.one_in,
-                "wall_s": r.wall_s,
-                "simulated_per_wall": f64::from(d.days) * DAY_S as f64 / r.wall_s.max(1e-9),
-                "requests_per_wall_s": r.stream.released as f64 / r.wall_s.max(1e-9),
-            })
-        })
-        .collect();
-    serde_json::Value::Array(rows)
-}
-
-fn speed_lines(d: &Days, runs: &[Run]) -> Vec<String> {
+/// Simulated time ÷ wall time and requests per wall-second, per run.
+fn speeds(d: &Days, runs: &[Run]) -> Vec<Speed> {
     runs.iter()
         .map(|r| {
-            format!(
-                "{} at 1 in {}: {} days in {:.1} s wall ({:.0}x real time, {:.0} requests/s)",
-                d.scenario[r.scenario].name,
-                r.one_in,
-                d.days,
-                r.wall_s,
-                f64::from(d.days) * DAY_S as f64 / r.wall_s.max(1e-9),
-                r.stream.released as f64 / r.wall_s.max(1e-9)
-            )
+            let label = format!("{} at 1 in {}", d.scenario[r.scenario].name, r.one_in);
+            let simulated = f64::from(d.days) * DAY_S as f64;
+            Speed::new(label, r.wall_s, simulated, r.stream.released)
         })
         .collect()
 }

@@ -296,7 +296,8 @@ fn finish(
         base.header.seed,
     );
     m.overrides = base.overrides.iter().map(|o| o.to_string()).collect();
-    w.write_manifest(&m)?;
+    // Each point's own manifest holds that run's speed figures.
+    w.write_manifest(&m, &[])?;
     if opt.json {
         print!("{}", output::summary_json(&flat)?);
     } else {
