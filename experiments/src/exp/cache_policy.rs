@@ -197,6 +197,9 @@ fn replay_config(cfg: &CachePolicyConfig, path: &str) -> Result<ReplayConfig> {
     Ok(replay_cfg)
 }
 
+/// Each workload's report (by its index in the config) and the replays' speeds.
+type Replayed = (Vec<(usize, ReplayReport)>, Vec<Speed>);
+
 /// Generates and replays every workload in parallel; the reports come back in config order,
 /// each with its workload's index.
 fn replay_workloads(
@@ -205,7 +208,7 @@ fn replay_workloads(
     replay_cfg: &ReplayConfig,
     path: &str,
     seed: u64,
-) -> Result<(Vec<(usize, ReplayReport)>, Vec<Speed>)> {
+) -> Result<Replayed> {
     let pb = progress(ctx, cfg.workload.len() as u64, "workloads");
     let results: Vec<Result<(usize, ReplayReport, Speed)>> = cfg
         .workload
