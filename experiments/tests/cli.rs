@@ -100,11 +100,14 @@ fn run_is_byte_identical_for_the_same_seed() {
                     m["run"]["wall_s"].is_number(),
                     "the manifest records the run"
                 );
-                // One speed row per workload replayed (the config has one).
+                // One speed row per workload replayed, in config order.
                 let speed = m["run"]["speed"].as_array().expect("speed rows");
-                assert_eq!(speed.len(), 1, "{speed:?}");
-                assert!(speed[0]["simulated_per_wall"].as_f64().unwrap() > 0.0);
-                assert_eq!(speed[0]["counted"], "requests");
+                let labels: Vec<_> = speed.iter().map(|s| s["label"].clone()).collect();
+                assert_eq!(labels, ["agent", "chat"], "{speed:?}");
+                for s in speed {
+                    assert!(s["simulated_per_wall"].as_f64().unwrap() > 0.0, "{s:?}");
+                    assert_eq!(s["counted"], "requests");
+                }
                 m.as_object_mut().unwrap().remove("run");
                 (n, serde_json::to_vec(&m).unwrap())
             })
