@@ -1,7 +1,8 @@
 //! Speed figures of a run: simulated time ÷ wall time and requests (or, for the step-level
-//! benches, sequences or steps) per wall-second, one row per simulation an experiment ran. They go to stdout and to the manifest's `run` section (beside
-//! the other facts that differ between two runs of the same inputs), never into the tables, so
-//! the output files stay a pure function of config and seed.
+//! benches, sequences or steps) per wall-second, one row per simulation an experiment ran.
+//! They go to stdout and to the manifest's `run` section, beside the other facts that differ
+//! between two runs of the same inputs, and not into the summary, so that the summary and the
+//! result tables stay a pure function of config and seed.
 
 use serde::Serialize;
 use servelab_sim::service::ServiceReport;

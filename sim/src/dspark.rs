@@ -137,10 +137,8 @@ pub fn run_point(
     lp.group
         .check_invariants()
         .map_err(|e| ConfigError::invalid("dspark", e))?;
-    let mut result = tally.result(point, (now - t0).as_secs_f64());
-    result.simulated_s = now.as_secs_f64();
-    result.sequences = lp.next_id;
-    Ok(result)
+    let measured_s = (now - t0).as_secs_f64();
+    Ok(tally.result(point, measured_s, now.as_secs_f64(), lp.next_id))
 }
 
 /// CPU time between decode steps: none under asynchronous scheduling, which hides it behind
@@ -235,8 +233,15 @@ impl Tally {
         self.dyn_steps += u64::from(dynamic);
     }
 
-    /// The rates over `secs` of measured time.
-    fn result(&self, point: &DsparkPoint, secs: f64) -> DsparkResult {
+    /// The rates over `secs` of measured time, in a run of `simulated_s` in all that admitted
+    /// `sequences`.
+    fn result(
+        &self,
+        point: &DsparkPoint,
+        secs: f64,
+        simulated_s: f64,
+        sequences: u64,
+    ) -> DsparkResult {
         let plan_seqs = self.seq_steps.max(1) as f64;
         DsparkResult {
             tokens_per_s_per_rank: self.tokens as f64 / secs / f64::from(point.ranks),
@@ -244,8 +249,8 @@ impl Tally {
             verified_per_step: self.verified as f64 / plan_seqs,
             mean_step_ms: secs * 1e3 / f64::from(point.steps),
             dynamic_share: self.dyn_steps as f64 / f64::from(point.steps),
-            simulated_s: 0.0,
-            sequences: 0,
+            simulated_s,
+            sequences,
         }
     }
 }

@@ -156,10 +156,8 @@ fn run_points(
             );
             let wall = started.elapsed().as_secs_f64();
             pb.inc(1);
-            Ok((
-                r.clone(),
-                Speed::counting(label, wall, r.simulated_s, "sequences", r.sequences),
-            ))
+            let speed = Speed::counting(label, wall, r.simulated_s, "sequences", r.sequences);
+            Ok((r, speed))
         })
         .collect();
     pb.finish_and_clear();
