@@ -108,7 +108,6 @@ fn run_windows(
     pool: &rayon::ThreadPool,
 ) -> Result<KvStore, ServiceError> {
     let w = how.window.0;
-    let mut epoch = 0u64;
     loop {
         let Some(first) = units.iter().filter_map(|u| u.env.next_time()).min() else {
             return Ok(store);
@@ -118,7 +117,7 @@ fn run_windows(
         let end = Nanos((first.0 / w).saturating_add(1).saturating_mul(w));
         let base = Arc::new(store);
         for u in units.iter_mut() {
-            u.window().open(base.clone(), epoch);
+            u.window().open(base.clone());
         }
         let ran = pool.install(|| units.par_iter_mut().try_for_each(|u| u.run_until(end)));
         for u in units.iter_mut() {
@@ -137,6 +136,5 @@ fn run_windows(
             })
             .collect();
         merge(&mut store, &mut windows, end);
-        epoch += 1;
     }
 }

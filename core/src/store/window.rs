@@ -54,8 +54,6 @@ pub struct StoreWindow {
     new_bytes: u64,
     lookups: u64,
     lookup_hits: u64,
-    /// Windows merged before this one.
-    epoch: u64,
     /// The earliest expiry of anything the view holds, and how many times the unit's clock
     /// has been moved past it: while both stay put, nothing the unit found has expired.
     next_expiry: Nanos,
@@ -66,10 +64,9 @@ pub struct StoreWindow {
 
 impl StoreWindow {
     /// Opens the next window on `base`, the store as the last merge left it.
-    pub fn open(&mut self, base: Arc<KvStore>, epoch: u64) {
+    pub fn open(&mut self, base: Arc<KvStore>) {
         self.next_expiry = base.next_expiry();
         self.base = Some(base);
-        self.epoch = epoch;
     }
 
     /// The unit's clock moved to `now` ([`KvStore::advance`]): nothing is deleted (the merge
@@ -96,10 +93,12 @@ impl StoreWindow {
         self.base.take()
     }
 
-    /// Changes after which a block once found may be missing: the store's, every merge, and
-    /// every move of the clock past an expiry.
+    /// Changes after which a block once found may be missing: the store's removals (a merge
+    /// that only adds the other units' blocks removes nothing, so it does not count: counting
+    /// it would void every session memo at every window and make each turn look up its whole
+    /// prefix again) and every move of the clock past an expiry.
     pub fn change_generation(&self) -> u64 {
-        self.base().change_generation() + self.epoch + self.expired_moves
+        self.base().change_generation() + self.expired_moves
     }
 
     /// Bytes held: the store's at the last merge and what the unit wrote since.
@@ -270,8 +269,8 @@ mod tests {
         s.touch_or_insert(Nanos::from_secs(1), &keys(0..held), TrafficClass::Chat);
         let base = Arc::new(s);
         let (mut a, mut b) = (StoreWindow::default(), StoreWindow::default());
-        a.open(base.clone(), 0);
-        b.open(base.clone(), 0);
+        a.open(base.clone());
+        b.open(base.clone());
         (base, a, b)
     }
 
@@ -292,9 +291,37 @@ mod tests {
         // Every key checked counts, the first missing one included: 5 + 8 + 5.
         assert_eq!(s2.stats().block_lookups, 5 + 8 + 5);
         let base = Arc::new(s2);
-        b.open(base, 1);
+        b.open(base);
         assert_eq!(b.lookup_prefix(Nanos::from_secs(3), &keys(0..8)), 8);
         assert!(a.ops.is_empty() && a.overlay.is_empty());
+    }
+
+    #[test]
+    fn a_merge_that_only_adds_keeps_the_generation_and_an_expiry_moves_it() {
+        let (base, mut a, mut b) = two_views(2);
+        let before = a.change_generation();
+        b.touch_or_insert(Nanos::from_secs(2), &keys(2..6), TrafficClass::Chat);
+        a.close();
+        b.close();
+        let mut s = Arc::try_unwrap(base).unwrap();
+        merge(&mut s, &mut [&mut a, &mut b], Nanos::from_secs(3));
+        let base = Arc::new(s);
+        a.open(base.clone());
+        // Nothing was removed: what a found before is still there, so its memos stay valid.
+        assert_eq!(a.change_generation(), before);
+        assert_eq!(a.lookup_prefix(Nanos::from_secs(3), &keys(0..8)), 6);
+        // The blocks written at 1 s expire at 101 s: moving the clock past that counts.
+        a.advance(Nanos::from_secs(101));
+        assert!(a.change_generation() > before);
+        a.close();
+        b.open(base.clone());
+        b.close();
+        let mut s = Arc::try_unwrap(base).unwrap();
+        merge(&mut s, &mut [&mut a, &mut b], Nanos::from_secs(102));
+        assert!(
+            s.change_generation() > 0,
+            "the merge expired the blocks of 1 s"
+        );
     }
 
     #[test]

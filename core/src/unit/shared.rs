@@ -146,8 +146,8 @@ impl SharedCache {
     }
 
     /// Changes of the store after which a block once found or written may be missing
-    /// (evictions, expirations, objects lost with their group, refused writes, merges of a
-    /// parallel run): while it does not change, a block found present is still present.
+    /// (evictions, expirations, objects lost with their group, refused writes, and in a
+    /// parallel run's window, the clock passing an expiry): while it does not change, a block found present is still present.
     pub fn generation(&self) -> u64 {
         self.store.change_generation()
     }
