@@ -398,6 +398,24 @@ mod tests {
     }
 
     #[test]
+    fn three_units_on_two_threads_are_three_units_on_one() {
+        // Worker 0 runs units 0 and 2, worker 1 unit 1: an uneven share still merges in
+        // unit order.
+        let (s, reqs) = small();
+        let mut units = two_units().to_vec();
+        units.push(UnitSize {
+            name: "third".into(),
+            prefill_gpus: 2,
+            decode_groups: 1,
+        });
+        let one = run_with(&s, &units, &reqs, 7, windowed(20, 1)).unwrap();
+        let two = run_with(&s, &units, &reqs, 7, windowed(20, 2)).unwrap();
+        assert_eq!(fingerprint(&one), fingerprint(&two));
+        assert_eq!(one.store_peak_bytes, two.store_peak_bytes);
+        assert_eq!(one.units.len(), 3);
+    }
+
+    #[test]
     fn one_unit_in_windows_is_the_unit_run_alone() {
         // Without charged writes nothing reaches a unit a window late: its own writes are in
         // its overlay at once, so windows change nothing for a unit alone.
