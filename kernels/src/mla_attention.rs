@@ -546,6 +546,111 @@ impl MlaAttention {
         })
     }
 
+    /// As [`Self::upload`], into the buffers of `dst` where they are large enough (new ones,
+    /// with room to grow, where not or when `dst` is empty), with the launches planned for key
+    /// ranges up to `pad_len` (at least the longest uploaded): splits beyond a row's end are
+    /// empty and the reduction skips them, so the output is the same, while the launch
+    /// parameters stay fixed as the sequences grow up to `pad_len`. A CUDA graph captured over
+    /// these rows then replays for every later upload with the same [`Self::launch_key`].
+    /// Returns whether any buffer was reallocated (its address changed). The copies are
+    /// synchronous (pageable host memory).
+    pub fn upload_into(
+        &self,
+        gpu: &GpuContext,
+        layout: &KvLayout,
+        tables: &BlockTables,
+        rows: &QueryRows,
+        pad_len: usize,
+        dst: &mut Option<MlaRows>,
+    ) -> Result<bool, KernelError> {
+        layout.validate(&self.shape)?;
+        rows.validate(&self.shape, layout, tables)?;
+        let g = rows.groups(MAX_QUERY_TOKENS);
+        let s = &gpu.stream;
+        let nonempty = |v: Vec<i32>| if v.is_empty() { vec![0] } else { v };
+        let col = |f: fn(&crate::attention::QueryGroup) -> i32| {
+            nonempty(g.iter().map(f).collect::<Vec<_>>())
+        };
+        let data = [
+            col(|g| g.table_row),
+            col(|g| g.kv_start),
+            col(|g| g.kv_end),
+            col(|g| g.first_row),
+            col(|g| g.len),
+            nonempty(rows.kv_start.clone()),
+            nonempty(rows.kv_end.clone()),
+            nonempty(tables.entries.clone()),
+        ];
+        let max_len = g
+            .iter()
+            .map(|g| (g.kv_end - g.kv_start).max(0) as usize)
+            .max()
+            .unwrap_or(0)
+            .max(pad_len);
+        let max_rows = g.iter().map(|g| g.len as usize).max().unwrap_or(0) * self.shape.group;
+        let mut moved = false;
+        let r = match dst.take() {
+            Some(r) => r,
+            None => {
+                moved = true;
+                let z = || s.alloc_zeros::<i32>(1);
+                MlaRows {
+                    row: z()?,
+                    start: z()?,
+                    end: z()?,
+                    q0: z()?,
+                    qn: z()?,
+                    groups: 0,
+                    kv_start: z()?,
+                    kv_end: z()?,
+                    tables: z()?,
+                    max_blocks: 0,
+                    num_q: 0,
+                    max_len: 0,
+                    max_rows: 0,
+                }
+            }
+        };
+        let mut r = r;
+        let bufs = [
+            &mut r.row,
+            &mut r.start,
+            &mut r.end,
+            &mut r.q0,
+            &mut r.qn,
+            &mut r.kv_start,
+            &mut r.kv_end,
+            &mut r.tables,
+        ];
+        for (buf, v) in bufs.into_iter().zip(&data) {
+            if buf.len() < v.len() {
+                *buf = s.alloc_zeros::<i32>(v.len().next_power_of_two())?;
+                moved = true;
+            }
+            s.memcpy_htod(v, &mut buf.slice_mut(..v.len()))?;
+        }
+        r.groups = g.len();
+        r.max_blocks = tables.max_blocks;
+        r.num_q = rows.len();
+        r.max_len = max_len;
+        r.max_rows = max_rows;
+        *dst = Some(r);
+        Ok(moved)
+    }
+
+    /// Everything the launches over `rows` depend on besides buffer addresses: query rows,
+    /// groups, table width, longest key range and largest group. Two uploads with the same key
+    /// into the same buffers launch identically.
+    pub fn launch_key(rows: &MlaRows) -> [usize; 5] {
+        [
+            rows.num_q,
+            rows.groups,
+            rows.max_blocks,
+            rows.max_len,
+            rows.max_rows,
+        ]
+    }
+
     /// Keys per split by [`pick_tokens_per_split`]: one CTA per split, units are (group, latent
     /// head, row chunk), as many CTAs at once as the occupancy API allows.
     pub fn default_tokens_per_split(
@@ -564,6 +669,13 @@ impl MlaAttention {
             self.sm_count * per_sm,
             128,
         ))
+    }
+
+    /// Partial slots (row, head, split) a launch over `rows` at `tokens_per_split` needs in its
+    /// workspace ([`Self::ensure_workspace`] allocates exactly this when it must).
+    pub fn workspace_slots(&self, rows: &MlaRows, tokens_per_split: usize) -> usize {
+        let splits = rows.max_len.div_ceil(tokens_per_split.max(1)).max(1);
+        rows.num_q * self.shape.num_heads() * splits
     }
 
     pub fn workspace(
