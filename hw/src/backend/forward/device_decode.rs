@@ -103,8 +103,9 @@ impl DecodeBuffers {
 }
 
 /// The key-range bucket of a step whose longest sequence holds `len` keys: `len` rounded up
-/// to an eighth of the next power of two (at least 256), so planned ranges exceed the real
-/// ones by at most 1/8 and a graph serves every step until the longest sequence crosses it.
+/// to a multiple of an eighth of its next power of two, or of 256 keys when that is larger.
+/// Planned ranges then exceed the real ones by less than 256 keys or an eighth of the next
+/// power of two, and a graph serves every step until the longest sequence crosses a bucket.
 pub(crate) fn bucket(len: usize) -> usize {
     let step = (len.max(1).next_power_of_two() / 8).max(256);
     len.max(1).next_multiple_of(step)
@@ -390,8 +391,9 @@ mod tests {
         assert_eq!(bucket(16_000), 16_384);
         for len in [300, 1000, 5000, 70_000] {
             let b = bucket(len);
+            assert!(b >= len, "{len} -> {b}");
             assert!(
-                b >= len && (b - len) * 8 <= len.next_power_of_two(),
+                b - len < 256 || (b - len) * 8 <= len.next_power_of_two(),
                 "{len} -> {b}"
             );
         }
