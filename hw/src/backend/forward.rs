@@ -939,7 +939,7 @@ fn logits(
     b.k.ops.to_f32(&g, &lg, &mut lf, rows.len() * m.vocab)?;
     let mut ids = s.alloc_zeros::<i32>(rows.len())?;
     b.k.sampler.greedy(&g, &lf, rows.len(), m.vocab, &mut ids)?;
-    b.issued_at = Some(std::time::Instant::now());
+    b.mark_issued()?;
     b.last_tokens = s.clone_dtoh(&ids)?;
     if b.keep_logits {
         b.last_logits = s.clone_dtoh(&lf)?;

@@ -277,6 +277,8 @@ pub struct CudaBackend {
     pub last_host_issue: std::time::Duration,
     /// When the running step issued its last launch (set before the tokens' copy back).
     pub(crate) issued_at: Option<std::time::Instant>,
+    /// The running decode step's end event, and whether [`Self::mark_issued`] recorded it.
+    pub(crate) decode_end: Option<(cudarc::driver::CudaEvent, bool)>,
     pub(crate) decode_mode: DecodeMode,
     /// Kept inputs, outputs and graphs of device-bound decode steps.
     pub(crate) decode_bufs: Option<forward::DecodeBuffers>,
@@ -397,6 +399,7 @@ impl CudaBackend {
             last_phases: None,
             last_host_issue: std::time::Duration::ZERO,
             issued_at: None,
+            decode_end: None,
             decode_mode: DecodeMode::Eager,
             decode_bufs: None,
         })
@@ -417,6 +420,18 @@ impl CudaBackend {
             }
         }
         self.decode_mode = mode;
+        Ok(())
+    }
+
+    /// Called right after a step's last launch, before the host waits for its tokens: notes
+    /// the time and, in a decode step, records the step's end event (see
+    /// [`Self::try_execute`]).
+    pub(crate) fn mark_issued(&mut self) -> Result<(), BackendError> {
+        self.issued_at = Some(std::time::Instant::now());
+        if let Some((e, recorded)) = &mut self.decode_end {
+            e.record(&self.gpu.stream)?;
+            *recorded = true;
+        }
         Ok(())
     }
 
@@ -595,7 +610,12 @@ impl CudaBackend {
     }
 
     /// Runs one plan and returns its duration (CUDA events on the compute stream, from before
-    /// the first copy or launch to after the last, host-side planning included).
+    /// the first copy or launch to after the last, host-side planning included). A decode
+    /// step's end event is recorded right after its last launch, before the host waits for
+    /// the greedy tokens: otherwise the duration would also hold the time the launching thread
+    /// takes to be scheduled again once the device is done, which on a loaded host is a
+    /// scheduler time slice, not device work. (With phase timing on, the end stays after the
+    /// last phase mark.)
     pub fn try_execute(
         &mut self,
         plan: &StepPlan,
@@ -608,10 +628,15 @@ impl CudaBackend {
             .gpu
             .ctx
             .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let end = self
-            .gpu
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let mut end = Some(
+            self.gpu
+                .ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+        );
+        self.decode_end = None;
+        if matches!(plan, StepPlan::Decode(_)) && self.phases.is_none() {
+            self.decode_end = end.take().map(|e| (e, false));
+        }
         report.seqs.clear();
         report.ranks.clear();
         self.last_tokens.clear();
@@ -633,7 +658,14 @@ impl CudaBackend {
             .issued_at
             .unwrap_or_else(std::time::Instant::now)
             .saturating_duration_since(issue_start);
-        end.record(&s)?;
+        let end = match (end, self.decode_end.take()) {
+            (_, Some((e, true))) => e,
+            (Some(e), _) | (None, Some((e, false))) => {
+                e.record(&s)?;
+                e
+            }
+            (None, None) => unreachable!("the end event is in one of the two"),
+        };
         let ms = start.elapsed_ms(&end)? as f64;
         report.duration = Nanos((ms * 1e6).round().max(0.0) as u64);
         Ok(())

@@ -273,7 +273,7 @@ fn step(
     std::mem::swap(&mut sc.att_ws, &mut db.att_ws);
     b.scratch = Some(sc);
     r?;
-    b.issued_at = Some(std::time::Instant::now());
+    b.mark_issued()?;
     b.last_tokens = s.clone_dtoh(&db.out.slice(..t))?;
     if b.keep_logits {
         b.last_logits = s.clone_dtoh(&db.lf.slice(..t * m.vocab))?;
