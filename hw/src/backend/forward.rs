@@ -493,8 +493,8 @@ fn project_qk(
     linear_bf16(g, &sc.xn, &lw.wq, &mut sc.q, t, qd, hd)?;
     linear_bf16(g, &sc.xn, &lw.wk, &mut sc.k, t, row, hd)?;
     c.mark(Phase::Elementwise)?;
-    k.rope_q.run(g, &mut sc.q, pos)?;
-    k.rope_k.run(g, &mut sc.k, pos)?;
+    k.rope_q.run_rows(g, &mut sc.q, pos, t)?;
+    k.rope_k.run_rows(g, &mut sc.k, pos, t)?;
     Ok(())
 }
 
