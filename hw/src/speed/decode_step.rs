@@ -4,10 +4,10 @@
 //! the host. Also the largest logit difference of each device-bound mode from the eager step
 //! at the same positions.
 //!
-//! Each mode decodes the same positions (`context`, `context + q`, ...) of its own copy of the
-//! batch's sequences, whose KV is random (no prefill: a random model's KV content does not
-//! change the work). Fewer than 128 steps per mode keep every step's SWA window clear of the
-//! ring slots the other modes wrote, so the first steps of all modes read the same keys.
+//! Each mode decodes the same positions (`context`, `context + q`, ...) of the same sequences,
+//! whose KV is random (no prefill: a random model's KV content does not change the work). The
+//! logits are compared on the first step of every mode, taken before any mode decodes
+//! further: later positions overwrite ring slots of that step's window.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -79,6 +79,45 @@ pub struct DecodeStepRow {
     /// Largest |logit| difference from the eager step at the same positions (idle rows).
     pub max_logit_diff: Option<f64>,
     pub max_logit: Option<f64>,
+    /// Non-finite logits of that step (eager's in the eager row).
+    pub non_finite_logits: Option<usize>,
+}
+
+/// A mode's first step against eager's: largest |logit| difference, largest eager |logit|,
+/// the mode's non-finite logits.
+type LogitDiff = (f64, f64, usize);
+
+/// The first step (at the context length) in every mode, before any mode decodes further
+/// (later positions would overwrite ring slots of the window): per mode, the largest |logit|
+/// difference from eager, the largest eager |logit| and the mode's non-finite logits.
+fn logit_diffs(
+    b: &mut CudaBackend,
+    modes: &[DecodeMode],
+    p: &StepPlan,
+) -> Result<Vec<Option<LogitDiff>>, BackendError> {
+    let mut report = StepReport::default();
+    let mut eager: Option<Vec<f32>> = None;
+    let mut out = Vec::new();
+    for &mode in modes {
+        b.set_decode_mode(mode)?;
+        b.keep_logits = true;
+        b.try_execute(p, &mut report)?;
+        b.keep_logits = false;
+        let l = std::mem::take(&mut b.last_logits);
+        let e = eager.get_or_insert_with(|| l.clone());
+        let d = e
+            .iter()
+            .zip(&l)
+            .map(|(a, c)| (a - c).abs() as f64)
+            .fold(0.0, f64::max);
+        let scale = e.iter().map(|x| x.abs() as f64).fold(0.0, f64::max);
+        out.push(Some((
+            d,
+            scale,
+            l.iter().filter(|x| !x.is_finite()).count(),
+        )));
+    }
+    Ok(out)
 }
 
 #[cfg(target_os = "linux")]
@@ -186,32 +225,16 @@ pub fn measure_decode_steps(
     for &load in &cfg.loads {
         let _load = Load::start(load);
         for (bi, &seqs) in cfg.batches.iter().enumerate() {
-            let mut eager_logits: Option<Vec<f32>> = None;
-            for &mode in &modes {
+            // the same sequences in every mode: token ids hash the request id
+            let first = (bi * max_batch) as u64 + 1;
+            let diffs = if load == 0 {
+                logit_diffs(&mut b, &modes, &plan(first, seqs, cfg.context, cfg.drafts))?
+            } else {
+                vec![None; modes.len()]
+            };
+            for (&mode, &diff) in modes.iter().zip(&diffs) {
                 b.set_decode_mode(mode)?;
-                // the same sequences in every mode: token ids hash the request id
-                let first = (bi * max_batch) as u64 + 1;
                 let before = b.graph_stats();
-                let mut diff = None;
-                // step 0 keeps its logits for the comparison and counts as warm-up
-                b.keep_logits = load == 0;
-                b.try_execute(&plan(first, seqs, cfg.context, cfg.drafts), &mut report)?;
-                b.keep_logits = false;
-                if load == 0 {
-                    let l = std::mem::take(&mut b.last_logits);
-                    match &eager_logits {
-                        None => eager_logits = Some(l),
-                        Some(e) => {
-                            let d = e
-                                .iter()
-                                .zip(&l)
-                                .map(|(a, c)| (a - c).abs() as f64)
-                                .fold(0.0, f64::max);
-                            let scale = e.iter().map(|x| x.abs() as f64).fold(0.0, f64::max);
-                            diff = Some((d, scale));
-                        }
-                    }
-                }
                 let (mut issue, mut cpu, mut dev, mut wall) = (vec![], vec![], vec![], vec![]);
                 for j in 1..cfg.warmup + cfg.steps {
                     let p = plan(first, seqs, cfg.context + j * q, cfg.drafts);
@@ -243,9 +266,10 @@ pub fn measure_decode_steps(
                     },
                     max_logit_diff: diff.map(|d| d.0),
                     max_logit: diff.map(|d| d.1),
+                    non_finite_logits: diff.map(|d| d.2),
                 };
                 log(&format!(
-                    "{:?} seqs {seqs} x {q} tokens @ {} load {load}: host issue {:.3} ms, host CPU {:.3} ms, device {:.3} ms, wall {:.3} ms; graphs {:?}; logit diff {:?}",
+                    "{:?} seqs {seqs} x {q} tokens @ {} load {load}: host issue {:.3} ms, host CPU {:.3} ms, device {:.3} ms, wall {:.3} ms; graphs {:?}; logit diff, largest, non-finite {:?}",
                     mode,
                     cfg.context,
                     row.host_issue_ms.median_ms,
@@ -266,7 +290,7 @@ pub fn measure_decode_steps(
 /// Markdown table of the rows.
 pub fn markdown(rows: &[DecodeStepRow]) -> String {
     let mut s = String::from(
-        "| mode | seqs x tokens | context | spinning threads | host issue ms (median) | host CPU ms | device step ms (median [min, max]) | wall ms | captures / replays | max logit diff vs eager |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| mode | seqs x tokens | context | spinning threads | host issue ms (median) | host CPU ms | device step ms (median [min, max]) | wall ms | captures / replays | max logit diff vs eager (non-finite) |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         s.push_str(&format!(
@@ -284,8 +308,8 @@ pub fn markdown(rows: &[DecodeStepRow]) -> String {
             r.wall_ms.median_ms,
             r.graphs.captures,
             r.graphs.replays,
-            match (r.max_logit_diff, r.max_logit) {
-                (Some(d), Some(m)) => format!("{d:.3e} (largest |logit| {m:.2})"),
+            match (r.max_logit_diff, r.max_logit, r.non_finite_logits) {
+                (Some(d), Some(m), Some(n)) => format!("{d:.3e} (largest |logit| {m:.2}; {n})"),
                 _ => "-".into(),
             }
         ));
