@@ -81,11 +81,14 @@ pub struct DecodeStepRow {
     pub max_logit: Option<f64>,
     /// Non-finite logits of that step (eager's in the eager row).
     pub non_finite_logits: Option<usize>,
+    /// Token rows of that step with a logit more than 5 % of the largest |logit| away.
+    pub rows_over_tolerance: Option<usize>,
 }
 
 /// A mode's first step against eager's: largest |logit| difference, largest eager |logit|,
-/// the mode's non-finite logits.
-type LogitDiff = (f64, f64, usize);
+/// the mode's non-finite logits, and the token rows whose largest difference exceeds 5 % of
+/// the largest eager |logit|.
+type LogitDiff = (f64, f64, usize, usize);
 
 /// The first step (at the context length) in every mode, before any mode decodes further
 /// (later positions would overwrite ring slots of the window): per mode, the largest |logit|
@@ -111,10 +114,21 @@ fn logit_diffs(
             .map(|(a, c)| (a - c).abs() as f64)
             .fold(0.0, f64::max);
         let scale = e.iter().map(|x| x.abs() as f64).fold(0.0, f64::max);
+        let vocab = b.config().model.vocab;
+        let rows_over = e
+            .chunks(vocab)
+            .zip(l.chunks(vocab))
+            .filter(|(a, c)| {
+                a.iter()
+                    .zip(c.iter())
+                    .any(|(x, y)| ((x - y).abs() as f64) > 0.05 * scale)
+            })
+            .count();
         out.push(Some((
             d,
             scale,
             l.iter().filter(|x| !x.is_finite()).count(),
+            rows_over,
         )));
     }
     Ok(out)
@@ -267,6 +281,7 @@ pub fn measure_decode_steps(
                     max_logit_diff: diff.map(|d| d.0),
                     max_logit: diff.map(|d| d.1),
                     non_finite_logits: diff.map(|d| d.2),
+                    rows_over_tolerance: diff.map(|d| d.3),
                 };
                 log(&format!(
                     "{:?} seqs {seqs} x {q} tokens @ {} load {load}: host issue {:.3} ms, host CPU {:.3} ms, device {:.3} ms, wall {:.3} ms; graphs {:?}; logit diff, largest, non-finite {:?}",
@@ -290,7 +305,7 @@ pub fn measure_decode_steps(
 /// Markdown table of the rows.
 pub fn markdown(rows: &[DecodeStepRow]) -> String {
     let mut s = String::from(
-        "| mode | seqs x tokens | context | spinning threads | host issue ms (median) | host CPU ms | device step ms (median [min, max]) | wall ms | captures / replays | max logit diff vs eager (non-finite) |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| mode | seqs x tokens | context | spinning threads | host issue ms (median) | host CPU ms | device step ms (median [min, max]) | wall ms | captures / replays | max logit diff vs eager (non-finite; rows over 5 %) |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         s.push_str(&format!(
@@ -308,8 +323,15 @@ pub fn markdown(rows: &[DecodeStepRow]) -> String {
             r.wall_ms.median_ms,
             r.graphs.captures,
             r.graphs.replays,
-            match (r.max_logit_diff, r.max_logit, r.non_finite_logits) {
-                (Some(d), Some(m), Some(n)) => format!("{d:.3e} (largest |logit| {m:.2}; {n})"),
+            match (
+                r.max_logit_diff,
+                r.max_logit,
+                r.non_finite_logits,
+                r.rows_over_tolerance,
+            ) {
+                (Some(d), Some(m), Some(n), Some(o)) => {
+                    format!("{d:.3e} (largest |logit| {m:.2}; {n}; {o} rows)")
+                }
                 _ => "-".into(),
             }
         ));
@@ -323,7 +345,9 @@ mod tests {
 
     /// The full sweep on the default model, for a short device run:
     /// `servelab_hw-* --ignored decode_step_bench --nocapture`; writes `decode-steps.json`
-    /// and `decode-steps.md` to `$OUT` when set. `DECODE_BENCH_QUICK=1` shrinks it.
+    /// and `decode-steps.md` to `$OUT` when set. `DECODE_BENCH_DRAFTS=2` verifies two drafts
+    /// per sequence, `DECODE_BENCH_BATCHES=8,64` and `DECODE_BENCH_LOADS=0,1,3` pick the cells,
+    /// `DECODE_BENCH_QUICK=1` shrinks it to one short cell.
     #[test]
     #[ignore = "full-size GPU benchmark"]
     fn decode_step_bench() {
@@ -336,6 +360,16 @@ mod tests {
                 .unwrap()
                 .parse()
                 .unwrap();
+        }
+        let list = |name: &str| -> Option<Vec<usize>> {
+            let v = std::env::var(name).ok()?;
+            Some(v.split(',').map(|x| x.trim().parse().unwrap()).collect())
+        };
+        if let Some(b) = list("DECODE_BENCH_BATCHES") {
+            cfg.batches = b;
+        }
+        if let Some(l) = list("DECODE_BENCH_LOADS") {
+            cfg.loads = l;
         }
         if std::env::var("DECODE_BENCH_QUICK").is_ok_and(|v| v == "1") {
             cfg.batches = vec![8];
