@@ -1342,4 +1342,74 @@ mod tests {
         let Some(gpu) = gpu_or_skip() else { return };
         crate::check::assert_all_passed(&check_gpu(&gpu, 91).unwrap());
     }
+
+    /// Verification rows (3 query tokens per sequence) of the served shape uploaded in place
+    /// with the launches planned for a longer key range ([`MlaAttention::upload_into`]), and
+    /// uploaded plainly, each at its default split, against the CPU reference; the in-place
+    /// upload is reused for a second set of rows.
+    #[test]
+    fn gpu_padded_plan_matches_cpu() {
+        let Some(gpu) = gpu_or_skip() else { return };
+        let shape = spec_shape(16);
+        let att = MlaAttention::new(&gpu, shape).unwrap();
+        let mut kept = None;
+        for (seed, seqs, q, kv0) in [
+            (5u64, 32usize, 3usize, 900usize),
+            (6, 8, 1, 1000),
+            (7, 32, 3, 1100),
+        ] {
+            let kv_lens: Vec<usize> = (0..seqs).map(|i| kv0 + 3 * i).collect();
+            let q_lens = vec![q; seqs];
+            let mut r = rng(seed);
+            let bs = shape.block_size;
+            let max_kv = kv_lens.iter().max().copied().unwrap() + q;
+            let max_blocks = max_kv.div_ceil(bs);
+            let nb = seqs * max_blocks + 3;
+            let tables = random_tables(seed, seqs, max_blocks, nb);
+            let rows = QueryRows::decode_verify(&kv_lens, &q_lens);
+            let layout = KvLayout::packed(&shape, nb);
+            let kv = random_bf16(&mut r, layout.min_len(&shape), 1.0);
+            let qv = random_bf16(&mut r, rows.len() * shape.num_heads() * shape.d_qk, 1.0);
+            let scale = 1.0 / (shape.d_qk as f64).sqrt();
+            let reference =
+                paged_attention_cpu(&shape, &layout, &qv, &kv, &tables, &rows, scale).unwrap();
+            let s = &gpu.stream;
+            let (dq, dkv) = (s.clone_htod(&qv).unwrap(), s.clone_htod(&kv).unwrap());
+            let plain = att.upload(&gpu, &layout, &tables, &rows).unwrap();
+            att.upload_into(&gpu, &layout, &tables, &rows, 2048, &mut kept)
+                .unwrap();
+            for (what, d_rows) in [("plain", &plain), ("padded", kept.as_ref().unwrap())] {
+                let tps = att.default_tokens_per_split(&gpu, d_rows).unwrap();
+                let mut ws = att.workspace(&gpu, d_rows, tps).unwrap();
+                ws.poison(&gpu).unwrap();
+                let mut out = s.clone_htod(&vec![bf16::NAN; reference.len()]).unwrap();
+                att.run(
+                    &gpu,
+                    &dq,
+                    &dkv.as_view(),
+                    &layout,
+                    d_rows,
+                    tps,
+                    &mut ws,
+                    scale as f32,
+                    &mut out,
+                )
+                .unwrap();
+                let got: Vec<f64> = s
+                    .clone_dtoh(&out)
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_f64())
+                    .collect();
+                let res = CheckResult::from_stats(
+                    "mla_attention",
+                    format!("{what}: {seqs} seqs x {q} tokens from {kv0} keys, split {tps}"),
+                    ErrorStats::of(&got, &reference),
+                    crate::check::BF16_TOL,
+                );
+                println!("{res:?}");
+                crate::check::assert_all_passed(&[res]);
+            }
+        }
+    }
 }
