@@ -39,11 +39,13 @@ for line in sys.stdin:
   done; }
 echo "building servelab-gpu..." >&2
 cargo build "${profile[@]}" -p servelab-hw --bin servelab-gpu
-dir=target/release; [[ ${#profile[@]} -eq 0 ]] && dir=target/debug
+target=${CARGO_TARGET_DIR:-target}
+dir=$target/release; [[ ${#profile[@]} -eq 0 ]] && dir=$target/debug
 cp "$dir/servelab-gpu" "$bundle/"
 # Debug info is not needed on the device and would eat the 64 MiB transfer limit.
 if command -v strip >/dev/null; then strip --strip-debug "$bundle"/servelab-gpu "$bundle"/tests/*; fi
 cp hw/scripts/device-run.sh "$bundle/run.sh"
+cp hw/scripts/decode-bench.sh "$bundle/decode-bench.sh"
 # The commit the binaries were built from ("-dirty" when the tree had changes), for profiles.
 c=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD -- 2>/dev/null || c="$c-dirty"

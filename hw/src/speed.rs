@@ -6,6 +6,7 @@
 //! the MLA-shaped decode kernel is measured at the served batch ([`mla`]).
 
 pub mod ceilings;
+pub mod decode_step;
 pub mod mla;
 
 use std::sync::Arc;

@@ -28,8 +28,16 @@ pub struct GpuContext {
     pub stream: Arc<CudaStream>,
     pub blas: CudaBlas,
     compute_capability: (i32, i32),
-    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    /// Shared with the contexts [`Self::on_new_stream`] derives, which load the same modules.
+    modules: Arc<Mutex<HashMap<String, Arc<CudaModule>>>>,
+    /// The cuBLAS workspace of a derived context (kept alive while its handle uses it).
+    _blas_workspace: Option<cudarc::driver::CudaSlice<u8>>,
 }
+
+/// cuBLAS workspace of a derived context: set explicitly so that GEMMs captured into a CUDA
+/// graph never make cuBLAS allocate during the capture (32 MiB is what NVIDIA suggests for
+/// Hopper).
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 impl GpuContext {
     /// `Ok(None)` when this machine has no CUDA driver library or no device; `Err` when a GPU is
@@ -64,7 +72,42 @@ impl GpuContext {
             stream,
             blas,
             compute_capability,
-            modules: Mutex::new(HashMap::new()),
+            modules: Arc::new(Mutex::new(HashMap::new())),
+            _blas_workspace: None,
+        })
+    }
+
+    /// The same device and module cache on a new stream of its own, with its own cuBLAS handle
+    /// bound to that stream. [`Self::new`] works on the legacy default stream, which cannot be
+    /// captured into a CUDA graph; work that is captured runs on a derived context. The new
+    /// stream does not synchronise implicitly with the default one (it is non-blocking):
+    /// callers order the two themselves.
+    pub fn on_new_stream(&self) -> Result<Self, KernelError> {
+        let stream = self.ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        {
+            use cudarc::driver::DevicePtr;
+            let (ptr, _g) = ws.device_ptr(&stream);
+            // SAFETY: the workspace lives as long as the handle (both in the returned context)
+            // and is used only on the handle's stream.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    BLAS_WORKSPACE_BYTES,
+                )
+            }
+            .result()?;
+        }
+        stream.synchronize()?;
+        Ok(Self {
+            ctx: self.ctx.clone(),
+            stream,
+            blas,
+            compute_capability: self.compute_capability,
+            modules: self.modules.clone(),
+            _blas_workspace: Some(ws),
         })
     }
 

@@ -546,6 +546,111 @@ impl MlaAttention {
         })
     }
 
+    /// As [`Self::upload`], into the buffers of `dst` where they are large enough (new ones,
+    /// with room to grow, where not or when `dst` is empty), with the launches planned for key
+    /// ranges up to `pad_len` (at least the longest uploaded): splits beyond a row's end are
+    /// empty and the reduction skips them, so the output is the same, while the launch
+    /// parameters stay fixed as the sequences grow up to `pad_len`. A CUDA graph captured over
+    /// these rows then replays for every later upload with the same [`Self::launch_key`].
+    /// Returns whether any buffer was reallocated (its address changed). The copies are
+    /// synchronous (pageable host memory).
+    pub fn upload_into(
+        &self,
+        gpu: &GpuContext,
+        layout: &KvLayout,
+        tables: &BlockTables,
+        rows: &QueryRows,
+        pad_len: usize,
+        dst: &mut Option<MlaRows>,
+    ) -> Result<bool, KernelError> {
+        layout.validate(&self.shape)?;
+        rows.validate(&self.shape, layout, tables)?;
+        let g = rows.groups(MAX_QUERY_TOKENS);
+        let s = &gpu.stream;
+        let nonempty = |v: Vec<i32>| if v.is_empty() { vec![0] } else { v };
+        let col = |f: fn(&crate::attention::QueryGroup) -> i32| {
+            nonempty(g.iter().map(f).collect::<Vec<_>>())
+        };
+        let data = [
+            col(|g| g.table_row),
+            col(|g| g.kv_start),
+            col(|g| g.kv_end),
+            col(|g| g.first_row),
+            col(|g| g.len),
+            nonempty(rows.kv_start.clone()),
+            nonempty(rows.kv_end.clone()),
+            nonempty(tables.entries.clone()),
+        ];
+        let max_len = g
+            .iter()
+            .map(|g| (g.kv_end - g.kv_start).max(0) as usize)
+            .max()
+            .unwrap_or(0)
+            .max(pad_len);
+        let max_rows = g.iter().map(|g| g.len as usize).max().unwrap_or(0) * self.shape.group;
+        let mut moved = false;
+        let r = match dst.take() {
+            Some(r) => r,
+            None => {
+                moved = true;
+                let z = || s.alloc_zeros::<i32>(1);
+                MlaRows {
+                    row: z()?,
+                    start: z()?,
+                    end: z()?,
+                    q0: z()?,
+                    qn: z()?,
+                    groups: 0,
+                    kv_start: z()?,
+                    kv_end: z()?,
+                    tables: z()?,
+                    max_blocks: 0,
+                    num_q: 0,
+                    max_len: 0,
+                    max_rows: 0,
+                }
+            }
+        };
+        let mut r = r;
+        let bufs = [
+            &mut r.row,
+            &mut r.start,
+            &mut r.end,
+            &mut r.q0,
+            &mut r.qn,
+            &mut r.kv_start,
+            &mut r.kv_end,
+            &mut r.tables,
+        ];
+        for (buf, v) in bufs.into_iter().zip(&data) {
+            if buf.len() < v.len() {
+                *buf = s.alloc_zeros::<i32>(v.len().next_power_of_two())?;
+                moved = true;
+            }
+            s.memcpy_htod(v, &mut buf.slice_mut(..v.len()))?;
+        }
+        r.groups = g.len();
+        r.max_blocks = tables.max_blocks;
+        r.num_q = rows.len();
+        r.max_len = max_len;
+        r.max_rows = max_rows;
+        *dst = Some(r);
+        Ok(moved)
+    }
+
+    /// Everything the launches over `rows` depend on besides buffer addresses: query rows,
+    /// groups, table width, longest key range and largest group. Two uploads with the same key
+    /// into the same buffers launch identically.
+    pub fn launch_key(rows: &MlaRows) -> [usize; 5] {
+        [
+            rows.num_q,
+            rows.groups,
+            rows.max_blocks,
+            rows.max_len,
+            rows.max_rows,
+        ]
+    }
+
     /// Keys per split by [`pick_tokens_per_split`]: one CTA per split, units are (group, latent
     /// head, row chunk), as many CTAs at once as the occupancy API allows.
     pub fn default_tokens_per_split(
@@ -564,6 +669,13 @@ impl MlaAttention {
             self.sm_count * per_sm,
             128,
         ))
+    }
+
+    /// Partial slots (row, head, split) a launch over `rows` at `tokens_per_split` needs in its
+    /// workspace ([`Self::ensure_workspace`] allocates exactly this when it must).
+    pub fn workspace_slots(&self, rows: &MlaRows, tokens_per_split: usize) -> usize {
+        let splits = rows.max_len.div_ceil(tokens_per_split.max(1)).max(1);
+        rows.num_q * self.shape.num_heads() * splits
     }
 
     pub fn workspace(
@@ -1229,5 +1341,75 @@ mod tests {
     fn gpu_matches_cpu() {
         let Some(gpu) = gpu_or_skip() else { return };
         crate::check::assert_all_passed(&check_gpu(&gpu, 91).unwrap());
+    }
+
+    /// Verification rows (3 query tokens per sequence) of the served shape uploaded in place
+    /// with the launches planned for a longer key range ([`MlaAttention::upload_into`]), and
+    /// uploaded plainly, each at its default split, against the CPU reference; the in-place
+    /// upload is reused for a second set of rows.
+    #[test]
+    fn gpu_padded_plan_matches_cpu() {
+        let Some(gpu) = gpu_or_skip() else { return };
+        let shape = spec_shape(16);
+        let att = MlaAttention::new(&gpu, shape).unwrap();
+        let mut kept = None;
+        for (seed, seqs, q, kv0) in [
+            (5u64, 32usize, 3usize, 900usize),
+            (6, 8, 1, 1000),
+            (7, 32, 3, 1100),
+        ] {
+            let kv_lens: Vec<usize> = (0..seqs).map(|i| kv0 + 3 * i).collect();
+            let q_lens = vec![q; seqs];
+            let mut r = rng(seed);
+            let bs = shape.block_size;
+            let max_kv = kv_lens.iter().max().copied().unwrap() + q;
+            let max_blocks = max_kv.div_ceil(bs);
+            let nb = seqs * max_blocks + 3;
+            let tables = random_tables(seed, seqs, max_blocks, nb);
+            let rows = QueryRows::decode_verify(&kv_lens, &q_lens);
+            let layout = KvLayout::packed(&shape, nb);
+            let kv = random_bf16(&mut r, layout.min_len(&shape), 1.0);
+            let qv = random_bf16(&mut r, rows.len() * shape.num_heads() * shape.d_qk, 1.0);
+            let scale = 1.0 / (shape.d_qk as f64).sqrt();
+            let reference =
+                paged_attention_cpu(&shape, &layout, &qv, &kv, &tables, &rows, scale).unwrap();
+            let s = &gpu.stream;
+            let (dq, dkv) = (s.clone_htod(&qv).unwrap(), s.clone_htod(&kv).unwrap());
+            let plain = att.upload(&gpu, &layout, &tables, &rows).unwrap();
+            att.upload_into(&gpu, &layout, &tables, &rows, 2048, &mut kept)
+                .unwrap();
+            for (what, d_rows) in [("plain", &plain), ("padded", kept.as_ref().unwrap())] {
+                let tps = att.default_tokens_per_split(&gpu, d_rows).unwrap();
+                let mut ws = att.workspace(&gpu, d_rows, tps).unwrap();
+                ws.poison(&gpu).unwrap();
+                let mut out = s.clone_htod(&vec![bf16::NAN; reference.len()]).unwrap();
+                att.run(
+                    &gpu,
+                    &dq,
+                    &dkv.as_view(),
+                    &layout,
+                    d_rows,
+                    tps,
+                    &mut ws,
+                    scale as f32,
+                    &mut out,
+                )
+                .unwrap();
+                let got: Vec<f64> = s
+                    .clone_dtoh(&out)
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_f64())
+                    .collect();
+                let res = CheckResult::from_stats(
+                    "mla_attention",
+                    format!("{what}: {seqs} seqs x {q} tokens from {kv0} keys, split {tps}"),
+                    ErrorStats::of(&got, &reference),
+                    crate::check::BF16_TOL,
+                );
+                println!("{res:?}");
+                crate::check::assert_all_passed(&[res]);
+            }
+        }
     }
 }

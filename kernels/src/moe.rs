@@ -81,6 +81,32 @@ pub fn permutation_cpu(ids: &[i32], num_experts: usize, top_k: usize) -> Permuta
     }
 }
 
+/// The padded expert-major layout of the same order: expert e owns positions
+/// `e * cap..(e + 1) * cap`, its assignments first (in index order), the rest -1. Returns
+/// (`sorted_token` `[E cap]`, `slot_pos` `[n k]`); `cap` must hold every expert's count.
+pub fn padded_permutation_cpu(
+    ids: &[i32],
+    num_experts: usize,
+    top_k: usize,
+    cap: usize,
+) -> (Vec<i32>, Vec<i32>) {
+    let mut sorted = vec![-1i32; num_experts * cap];
+    let mut slot_pos = vec![0i32; ids.len()];
+    let mut used = vec![0usize; num_experts];
+    for (a, &e) in ids.iter().enumerate() {
+        let e = e as usize;
+        let pos = e * cap + used[e];
+        assert!(
+            used[e] < cap,
+            "expert {e} holds more than {cap} assignments"
+        );
+        used[e] += 1;
+        sorted[pos] = (a / top_k) as i32;
+        slot_pos[a] = pos as i32;
+    }
+    (sorted, slot_pos)
+}
+
 /// out[t] = Σ_j w[t, j] · ys[slot_pos[t k + j]].
 pub fn combine_cpu(
     ys: &[bf16],
@@ -146,6 +172,7 @@ pub struct MoeRouter {
     count: CudaFunction,
     offsets: CudaFunction,
     rank: CudaFunction,
+    rank_padded: CudaFunction,
     gather: CudaFunction,
     combine: CudaFunction,
 }
@@ -161,11 +188,12 @@ impl MoeRouter {
             "moe_count",
             "moe_offsets",
             "moe_rank",
+            "moe_rank_padded",
             "moe_gather",
             "moe_combine",
         ];
         let mut f = gpu.functions("moe", SRC, &[], &names)?.into_iter();
-        let mut next = || f.next().expect("six functions");
+        let mut next = || f.next().expect("seven functions");
         Ok(Self {
             num_experts,
             top_k,
@@ -173,6 +201,7 @@ impl MoeRouter {
             count: next(),
             offsets: next(),
             rank: next(),
+            rank_padded: next(),
             gather: next(),
             combine: next(),
         })
@@ -220,6 +249,91 @@ impl MoeRouter {
         }
         self.launch_topk(gpu, logits, n, renorm, r)?;
         self.launch_permutation(gpu, n, r)
+    }
+
+    /// As [`Self::route_into`], into the padded layout of [`padded_permutation_cpu`]:
+    /// `sorted` `[E cap]` receives each expert's tokens from position `e * cap` (the rest -1)
+    /// and `r.slot_pos` the padded position of every assignment; `r.counts` is written,
+    /// `r.offsets` and `r.sorted_token` are not. With `cap = n` (top-k picks distinct experts)
+    /// every expert GEMM can run at `cap` rows: nothing needs to come back to the host to size
+    /// them, so a layer loop issues without waiting on the device and can be captured in a
+    /// CUDA graph.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_padded_into(
+        &self,
+        gpu: &GpuContext,
+        logits: &CudaSlice<f32>,
+        n: usize,
+        renorm: bool,
+        cap: usize,
+        r: &mut Routing,
+        sorted: &mut CudaSlice<i32>,
+    ) -> Result<(), KernelError> {
+        let (e, k) = (self.num_experts, self.top_k);
+        ensure(logits.len() >= n * e, || "logits too short".into())?;
+        ensure(cap >= n, || {
+            format!("capacity {cap} below the {n} tokens one expert may receive")
+        })?;
+        ensure(
+            r.tokens(k) >= n && r.counts.len() == e && sorted.len() >= e * cap,
+            || format!("padded routing buffers too small for {n} tokens at capacity {cap}"),
+        )?;
+        ensure(e * cap <= i32::MAX as usize, || {
+            "padded layout exceeds i32".into()
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch_topk(gpu, logits, n, renorm, r)?;
+        let (ki, nai, ci) = (k as i32, (n * k) as i32, cap as i32);
+        let mut b = gpu.stream.launch_builder(&self.rank_padded);
+        b.arg(&r.ids)
+            .arg(&nai)
+            .arg(&ki)
+            .arg(&ci)
+            .arg(&mut r.counts)
+            .arg(sorted)
+            .arg(&mut r.slot_pos);
+        // SAFETY: positions are < E * cap (checked above); slot_pos holds n * k entries.
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (e as u32, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        Ok(())
+    }
+
+    /// xs `[rows, dim]` = rows of x in the order of `sorted` (`[rows]`, from
+    /// [`Self::route_padded_into`]), zero rows where it holds -1.
+    pub fn gather_padded(
+        &self,
+        gpu: &GpuContext,
+        x: &CudaSlice<bf16>,
+        sorted: &CudaSlice<i32>,
+        rows: usize,
+        dim: usize,
+        xs: &mut CudaSlice<bf16>,
+    ) -> Result<(), KernelError> {
+        ensure(sorted.len() >= rows && xs.len() >= rows * dim, || {
+            "sorted or xs too short".into()
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let d = dim as i32;
+        let mut b = gpu.stream.launch_builder(&self.gather);
+        b.arg(x).arg(sorted).arg(&d).arg(xs);
+        // SAFETY: entries of `sorted` are -1 or token ids of x's rows (route_padded_into).
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }?;
+        Ok(())
     }
 
     /// Launches the top-k kernel: each token's experts and weights into `r`.
@@ -530,9 +644,70 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         gather_mism,
     ));
     out.push(check_combine(
-        gpu, &router, &mut r, &routing, &perm, detail,
+        gpu,
+        &router,
+        &mut r,
+        &routing,
+        &perm,
+        detail.clone(),
     )?);
+    out.push(check_padded(gpu, &router, &logits, &ids, &x, detail)?);
     Ok(out)
+}
+
+/// The padded layout on the GPU (reused buffers for more tokens, written before with another
+/// routing) against [`padded_permutation_cpu`] of the GPU's ids: positions, slots, counts, and
+/// the gathered rows (zeros at unused positions), all exact.
+fn check_padded(
+    gpu: &GpuContext,
+    router: &MoeRouter,
+    logits: &[f32],
+    ids: &[i32],
+    x: &[bf16],
+    detail: String,
+) -> Result<CheckResult, KernelError> {
+    let (n, e, k, dim) = (CHECK_N, CHECK_E, CHECK_K, CHECK_DIM);
+    let s = &gpu.stream;
+    let cap = n;
+    let mut routing = Routing::alloc(gpu, n, e, k)?;
+    let mut sorted = s.clone_htod(&vec![7i32; e * cap])?;
+    router.route_padded_into(
+        gpu,
+        &s.clone_htod(logits)?,
+        n,
+        true,
+        cap,
+        &mut routing,
+        &mut sorted,
+    )?;
+    let (want_sorted, want_slots) = padded_permutation_cpu(ids, e, k, cap);
+    let mut bad = (s.clone_dtoh(&sorted)? != want_sorted) as usize;
+    bad += (s.clone_dtoh(&routing.slot_pos)?[..n * k] != want_slots[..]) as usize;
+    let mut counts = vec![0i32; e];
+    for &i in ids {
+        counts[i as usize] += 1;
+    }
+    bad += (s.clone_dtoh(&routing.counts)? != counts) as usize;
+    let mut xs = s.clone_htod(&vec![bf16::NAN; e * cap * dim])?;
+    router.gather_padded(gpu, &s.clone_htod(x)?, &sorted, e * cap, dim, &mut xs)?;
+    let xs = s.clone_dtoh(&xs)?;
+    bad += (0..e * cap)
+        .filter(|&p| {
+            let row = &xs[p * dim..(p + 1) * dim];
+            match want_sorted[p] {
+                t if t < 0 => row.iter().any(|v| v.to_bits() != 0),
+                t => row
+                    .iter()
+                    .zip(&x[t as usize * dim..][..dim])
+                    .any(|(a, b)| a.to_bits() != b.to_bits()),
+            }
+        })
+        .count();
+    Ok(CheckResult::exact(
+        "moe_padded_layout",
+        format!("{detail}, capacity {cap}"),
+        bad,
+    ))
 }
 
 #[cfg(test)]
@@ -555,6 +730,15 @@ mod tests {
         assert_eq!(p.offsets, vec![0, 2, 5, 6]);
         assert_eq!(p.sorted_token, vec![0, 2, 0, 1, 2, 1]);
         assert_eq!(p.slot_pos, vec![2, 0, 3, 5, 1, 4]);
+    }
+
+    #[test]
+    fn padded_permutation_keeps_the_order_within_each_expert() {
+        // as in the test above: (0:e1,e0) (1:e1,e2) (2:e0,e1), capacity 3 per expert
+        let ids = [1, 0, 1, 2, 0, 1];
+        let (sorted, slots) = padded_permutation_cpu(&ids, 3, 2, 3);
+        assert_eq!(sorted, vec![0, 2, -1, 0, 1, 2, 1, -1, -1]);
+        assert_eq!(slots, vec![3, 0, 4, 6, 1, 5]);
     }
 
     proptest::proptest! {

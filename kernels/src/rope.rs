@@ -80,11 +80,23 @@ impl Rope {
         x: &mut CudaSlice<bf16>,
         positions: &CudaSlice<i32>,
     ) -> Result<(), KernelError> {
-        let n = positions.len();
+        self.run_rows(gpu, x, positions, positions.len())
+    }
+
+    /// As [`Self::run`] over the first `n` rows of `x` and `positions` (a positions buffer
+    /// kept between steps is sized for the largest step, not for this one).
+    pub fn run_rows(
+        &self,
+        gpu: &GpuContext,
+        x: &mut CudaSlice<bf16>,
+        positions: &CudaSlice<i32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
         let sh = &self.shape;
-        ensure(x.len() >= n * sh.heads * sh.head_dim, || {
-            "x too short for positions".into()
-        })?;
+        ensure(
+            positions.len() >= n && x.len() >= n * sh.heads * sh.head_dim,
+            || "x or positions too short for the rows".into(),
+        )?;
         let total = n * sh.heads * sh.rot_dim / 2;
         if total == 0 {
             return Ok(());

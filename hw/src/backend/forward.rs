@@ -18,13 +18,20 @@ use servelab_kernels::prefill_attention::PrefillRows;
 use servelab_kernels::swa::SwaRange;
 
 use super::model::{CrossWeights, LayerWeights, ModelShape};
-use super::{BackendError, CudaBackend, Kernels, Moves};
+use super::{BackendError, CudaBackend, DecodeMode, Kernels, Moves};
+
+pub(crate) mod device_decode;
+
+pub(crate) use device_decode::DecodeBuffers;
 
 /// Per-step activations, sized for up to `tokens` tokens and `kbuf_rows` SWA key rows. The
 /// backend keeps the largest one between steps ([`take_scratch`]): allocating and zeroing
 /// ~1.7 GB of activations each step cost ~1 ms of a 8K-token SPEC-shaped prefill step. Every
 /// element a step reads, it writes first.
 pub(crate) struct Scratch {
+    /// Distinct for every scratch allocated (graphs captured over one must not replay over
+    /// another, even at reused addresses).
+    id: u64,
     tokens: usize,
     kbuf_rows: usize,
     h: CudaSlice<bf16>,
@@ -45,6 +52,53 @@ pub(crate) struct Scratch {
     /// layer in host-bound decode steps.
     routing: Routing,
     att_ws: Option<AttentionWorkspace>,
+    /// The padded expert layout of device-sized MoE ([`PaddedMoe`]), allocated by the first
+    /// step that uses it.
+    pad: Option<PaddedMoe>,
+}
+
+/// Buffers of the padded expert layout: expert `e`'s rows at `e * t..(e + 1) * t` for a step of
+/// `t` tokens (one expert receives at most `t`, top-k picks distinct experts), so every expert
+/// GEMM runs at `t` rows and nothing about the routing has to reach the host. Sized for up to
+/// `tokens` tokens. This costs `experts / top_k` times the routed-expert FLOPs, which decode
+/// steps (a few hundred tokens at most, their GEMMs bound by weight reads and launch latency)
+/// can afford and prefill steps cannot; prefill keeps the host-sized path.
+pub(crate) struct PaddedMoe {
+    tokens: usize,
+    sorted: CudaSlice<i32>,
+    xs: CudaSlice<bf16>,
+    gu: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
+    ys: CudaSlice<bf16>,
+}
+
+impl PaddedMoe {
+    fn new(gpu: &GpuContext, m: &ModelShape, tokens: usize) -> Result<Self, BackendError> {
+        let s = &gpu.stream;
+        let rows = m.experts * tokens.max(1);
+        Ok(Self {
+            tokens,
+            sorted: s.alloc_zeros(rows)?,
+            xs: s.alloc_zeros(rows * m.hidden)?,
+            gu: s.alloc_zeros(rows * 2 * m.expert_ffn)?,
+            act: s.alloc_zeros(rows * m.expert_ffn)?,
+            ys: s.alloc_zeros(rows * m.hidden)?,
+        })
+    }
+}
+
+/// Makes `sc` hold a padded expert layout for `t` tokens.
+fn ensure_pad(
+    gpu: &GpuContext,
+    m: &ModelShape,
+    sc: &mut Scratch,
+    t: usize,
+) -> Result<(), BackendError> {
+    if sc.pad.as_ref().is_none_or(|p| p.tokens < t) {
+        sc.pad = None;
+        sc.pad = Some(PaddedMoe::new(gpu, m, t)?);
+    }
+    Ok(())
 }
 
 impl Scratch {
@@ -57,7 +111,9 @@ impl Scratch {
         let s = &gpu.stream;
         let t1 = t.max(1);
         let tk = t1 * m.top_k;
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Self {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             tokens: t,
             kbuf_rows,
             h: s.alloc_zeros(t1 * m.hidden)?,
@@ -75,6 +131,7 @@ impl Scratch {
             kbuf: s.alloc_zeros(kbuf_rows.max(1) * m.kv_row())?,
             routing: Routing::alloc(gpu, t1, m.experts, m.top_k)?,
             att_ws: None,
+            pad: None,
         })
     }
 }
@@ -293,6 +350,9 @@ struct Ctx<'a> {
     ring_layout: KvLayout,
     global_layout: KvLayout,
     phases: Option<&'a PhaseLog>,
+    /// Size the routed experts on the device ([`PaddedMoe`]) instead of from counts copied
+    /// back to the host every layer.
+    padded_moe: bool,
 }
 
 impl Ctx<'_> {
@@ -433,8 +493,8 @@ fn project_qk(
     linear_bf16(g, &sc.xn, &lw.wq, &mut sc.q, t, qd, hd)?;
     linear_bf16(g, &sc.xn, &lw.wk, &mut sc.k, t, row, hd)?;
     c.mark(Phase::Elementwise)?;
-    k.rope_q.run(g, &mut sc.q, pos)?;
-    k.rope_k.run(g, &mut sc.k, pos)?;
+    k.rope_q.run_rows(g, &mut sc.q, pos, t)?;
+    k.rope_k.run_rows(g, &mut sc.k, pos, t)?;
     Ok(())
 }
 
@@ -664,15 +724,35 @@ fn cross_attention(
     c.mark(Phase::Elementwise)
 }
 
-/// Routed experts over `sc.xn` into `sc.moe_out`. The per-expert row counts come back to the
-/// host (one small synchronous copy per layer) to size each expert's GEMM.
+/// Routed experts over `sc.xn` into `sc.moe_out`, then the shared expert. With
+/// `c.padded_moe` the experts are sized on the device ([`moe_padded`]); otherwise the
+/// per-expert row counts come back to the host (one small synchronous copy per layer) to size
+/// each expert's GEMM.
 fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
-    let (hd, f, e) = (m.hidden, m.expert_ffn, m.experts);
+    let (hd, e) = (m.hidden, m.experts);
     c.mark(Phase::Gemm)?;
     linear_bf16(g, &sc.xn, &lw.router, &mut sc.rl_bf, t, e, hd)?;
     c.mark(Phase::Routing)?;
     k.ops.to_f32(g, &sc.rl_bf, &mut sc.rl_f, t * e)?;
+    if c.padded_moe {
+        moe_padded(c, lw, t, sc)?;
+    } else {
+        moe_host_sized(c, lw, t, sc)?;
+    }
+    shared_expert(c, lw, t, sc)
+}
+
+/// The routed experts sized by counts copied to the host: each expert's GEMM covers exactly
+/// its rows of the packed expert-major layout.
+fn moe_host_sized(
+    c: &Ctx<'_>,
+    lw: &LayerWeights,
+    t: usize,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k, m) = (c.gpu, c.k, c.m);
+    let (hd, f) = (m.hidden, m.expert_ffn);
     k.router.route_into(g, &sc.rl_f, t, true, &mut sc.routing)?;
     let r = &sc.routing;
     let counts: Vec<i32> = g.stream.clone_dtoh(&r.counts)?;
@@ -716,6 +796,81 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
     }
     c.mark(Phase::Permute)?;
     k.router.combine(g, &sc.ys, r, t, hd, &mut sc.moe_out)?;
+    Ok(())
+}
+
+/// The routed experts in the padded layout of [`PaddedMoe`] (which `sc.pad` must hold for `t`
+/// tokens): routing, gather, expert GEMMs of `t` rows each, activation and combine all read
+/// their sizes from the host-known `t`, never from the routing, so the layer issues without
+/// waiting on the device. Unused rows are zero; the combine reads only routed ones.
+fn moe_padded(
+    c: &Ctx<'_>,
+    lw: &LayerWeights,
+    t: usize,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k, m) = (c.gpu, c.k, c.m);
+    let (hd, f, e) = (m.hidden, m.expert_ffn, m.experts);
+    let Scratch {
+        xn,
+        rl_f,
+        routing,
+        moe_out,
+        pad,
+        ..
+    } = sc;
+    let p = pad
+        .as_mut()
+        .filter(|p| p.tokens >= t)
+        .ok_or_else(|| BackendError::Plan("padded MoE buffers not sized for the step".into()))?;
+    k.router
+        .route_padded_into(g, rl_f, t, true, t, routing, &mut p.sorted)?;
+    c.mark(Phase::Permute)?;
+    k.router
+        .gather_padded(g, xn, &p.sorted, e * t, hd, &mut p.xs)?;
+    c.mark(Phase::Gemm)?;
+    for (i, ex) in lw.experts.iter().enumerate() {
+        let r0 = i * t;
+        linear_bf16(
+            g,
+            &p.xs.slice(r0 * hd..(r0 + t) * hd),
+            &ex.w_gate_up,
+            &mut p.gu.slice_mut(r0 * 2 * f..(r0 + t) * 2 * f),
+            t,
+            2 * f,
+            hd,
+        )?;
+    }
+    c.mark(Phase::Elementwise)?;
+    k.ops.silu_mul(g, &p.gu, &mut p.act, e * t, f)?;
+    c.mark(Phase::Gemm)?;
+    for (i, ex) in lw.experts.iter().enumerate() {
+        let r0 = i * t;
+        linear_bf16(
+            g,
+            &p.act.slice(r0 * f..(r0 + t) * f),
+            &ex.w_down,
+            &mut p.ys.slice_mut(r0 * hd..(r0 + t) * hd),
+            t,
+            hd,
+            f,
+        )?;
+    }
+    c.mark(Phase::Permute)?;
+    k.router.combine(g, &p.ys, routing, t, hd, moe_out)?;
+    Ok(())
+}
+
+/// The shared expert over every token of `sc.xn`, added to `sc.moe_out` (none when the model
+/// has none).
+fn shared_expert(
+    c: &Ctx<'_>,
+    lw: &LayerWeights,
+    t: usize,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
+    let (g, k, m) = (c.gpu, c.k, c.m);
+    let hd = m.hidden;
     if let Some(sh) = &lw.shared {
         // the shared expert over every token, added to the routed experts' output (the routed
         // buffers are free again: gu and act hold at least t x 2 x shared_ffn, see Scratch)
@@ -784,6 +939,7 @@ fn logits(
     b.k.ops.to_f32(&g, &lg, &mut lf, rows.len() * m.vocab)?;
     let mut ids = s.alloc_zeros::<i32>(rows.len())?;
     b.k.sampler.greedy(&g, &lf, rows.len(), m.vocab, &mut ids)?;
+    b.mark_issued()?;
     b.last_tokens = s.clone_dtoh(&ids)?;
     if b.keep_logits {
         b.last_logits = s.clone_dtoh(&lf)?;
@@ -979,6 +1135,8 @@ struct StackInputs<'a> {
     ring_slots: &'a CudaSlice<i64>,
     swa: Swa<'a>,
     cross: GlobalRows<'a>,
+    /// Device-sized MoE ([`PaddedMoe`], which the scratch must hold for `t` tokens).
+    padded_moe: bool,
 }
 
 /// Runs every layer of `stack` over `inp.t` tokens of `sc.h`, in place.
@@ -995,6 +1153,7 @@ fn run_stack(
         ring_layout: b.ring_layout(),
         global_layout: b.global_layout(),
         phases: b.phases.as_ref(),
+        padded_moe: inp.padded_moe,
     };
     let (layers, first, own) = match stack {
         Stack::Encoder { global_slots } => (&b.w.encoder, 0, Some(*global_slots)),
@@ -1134,6 +1293,7 @@ fn run_encoder(
         ring_slots: &d_ring,
         swa: Swa::Chunks(&inp.chunks, swa_enc.as_ref()),
         cross: enc_rows.as_global(),
+        padded_moe: false,
     };
     let encoder = Stack::Encoder {
         global_slots: &d_global,
@@ -1240,6 +1400,7 @@ fn replay_decoder(
         ring_slots: &d_ring,
         swa: Swa::Chunks(&inp.chunks, swa_dec.as_ref()),
         cross: dec_rows.as_global(),
+        padded_moe: false,
     };
     run_stack(b, &Stack::Decoder, &stack, &mut sc)?;
     logits(b, &mut sc, t, &inp.last_rows)?;
@@ -1328,10 +1489,28 @@ pub(super) fn decode(
 ) -> Result<(), BackendError> {
     let blocks = place_decode(b, d, verified)?;
     let inp = decode_inputs(b, d, verified, &blocks);
-    let t = inp.rows.tokens.len();
-    if t == 0 {
+    if inp.rows.tokens.is_empty() {
         return Ok(());
     }
+    match b.decode_mode {
+        DecodeMode::Eager => decode_eager(b, &blocks, &inp)?,
+        DecodeMode::DeviceMoe | DecodeMode::Graph => device_decode::decode(b, &blocks, &inp)?,
+    }
+    for (s, &kv) in d.seqs.iter().zip(&inp.kv_lens) {
+        if let Some(st) = b.tiers.seqs.get_mut(&s.request.0) {
+            st.ring_valid_to = kv;
+        }
+    }
+    Ok(())
+}
+
+/// A decode step issued launch by launch, MoE sized on the host, buffers allocated per step.
+fn decode_eager(
+    b: &mut CudaBackend,
+    blocks: &[Vec<u32>],
+    inp: &DecodeInputs,
+) -> Result<(), BackendError> {
+    let t = inp.rows.tokens.len();
     let g = b.gpu.clone();
     let s = g.stream.clone();
     let m = b.cfg.model.clone();
@@ -1357,6 +1536,7 @@ pub(super) fn decode(
         ring_slots: &d_ring,
         swa: Swa::Ring(d_ring_rows.as_global()),
         cross: d_cross.as_global(),
+        padded_moe: false,
     };
     let encoder = Stack::Encoder {
         global_slots: &d_global,
@@ -1369,11 +1549,6 @@ pub(super) fn decode(
     let all: Vec<i32> = (0..t as i32).collect();
     logits(b, &mut sc, t, &all)?;
     b.scratch = Some(sc);
-    for (s, &kv) in d.seqs.iter().zip(&inp.kv_lens) {
-        if let Some(st) = b.tiers.seqs.get_mut(&s.request.0) {
-            st.ring_valid_to = kv;
-        }
-    }
     Ok(())
 }
 

@@ -104,14 +104,60 @@ extern "C" __global__ void moe_rank(const int* __restrict__ ids, int num_assign,
     }
 }
 
-// xs[pos, :] = x[sorted_token[pos], :]. grid num_assign, any block size. Rows of a multiple of
-// 8 elements at 16-byte aligned addresses move as uint4 (8 bf16 per load): the scalar 2-byte
-// copy ran at a fraction of HBM bandwidth on the 8K-token prefill step.
+// The padded layout of the same permutation: expert e owns positions [e * cap, (e + 1) * cap),
+// its assignments first in index order (as moe_rank orders them), then unused positions marked
+// -1 in sorted_token. cap must be at least the largest count (the token count suffices: top-k
+// picks distinct experts). The expert GEMMs can then run at a fixed size, cap rows each, with
+// no count read back by the host. Also writes counts[e]. grid E, block 1024 (whole warps).
+extern "C" __global__ void moe_rank_padded(const int* __restrict__ ids, int num_assign, int top_k,
+                                           int cap, int* __restrict__ counts,
+                                           int* __restrict__ sorted_token,
+                                           int* __restrict__ slot_pos) {
+    __shared__ int warp_counts[32];
+    __shared__ int running;
+    const int e = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nwarps = blockDim.x >> 5;
+    const int base_pos = e * cap;
+    if (threadIdx.x == 0) running = 0;
+    __syncthreads();
+    for (int base = 0; base < num_assign; base += blockDim.x) {
+        const int a = base + threadIdx.x;
+        const bool hit = a < num_assign && ids[a] == e;
+        const unsigned int mask = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_counts[warp] = __popc(mask);
+        __syncthreads();
+        int before = running;
+        for (int w = 0; w < warp; ++w) before += warp_counts[w];
+        before += __popc(mask & ((1u << lane) - 1u));
+        if (hit && before < cap) { sorted_token[base_pos + before] = a / top_k; slot_pos[a] = base_pos + before; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int s = 0;
+            for (int w = 0; w < nwarps; ++w) s += warp_counts[w];
+            running += s;
+        }
+        __syncthreads();
+    }
+    const int used = running < cap ? running : cap;
+    for (int i = used + threadIdx.x; i < cap; i += blockDim.x) sorted_token[base_pos + i] = -1;
+    if (threadIdx.x == 0) counts[e] = running;
+}
+
+// xs[pos, :] = x[sorted_token[pos], :], or zeros where sorted_token[pos] < 0 (an unused position
+// of the padded layout). grid = positions, any block size. Rows of a multiple of 8 elements at
+// 16-byte aligned addresses move as uint4 (8 bf16 per load): the scalar 2-byte copy ran at a
+// fraction of HBM bandwidth on the 8K-token prefill step.
 extern "C" __global__ void moe_gather(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token,
                                       int dim, bf16_t* __restrict__ xs) {
     const i64 pos = blockIdx.x;
-    const bf16_t* src = x + (i64)sorted_token[pos] * dim;
+    const int tok = sorted_token[pos];
     bf16_t* dst = xs + pos * dim;
+    if (tok < 0) {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = f2bf(0.f);
+        return;
+    }
+    const bf16_t* src = x + (i64)tok * dim;
     if ((dim & 7) == 0 && ((((unsigned long long)src) | ((unsigned long long)dst)) & 15) == 0) {
         const uint4* s4 = reinterpret_cast<const uint4*>(src);
         uint4* d4 = reinterpret_cast<uint4*>(dst);
