@@ -49,6 +49,7 @@ pub struct Args {
 pub fn dispatch(ctx: &exp::RunContext) -> Result<()> {
     let r = match ctx.config.header.kind.as_str() {
         "autoscale-day" => exp::autoscale_day::run(ctx),
+        "cluster-day" => exp::cluster_day::run(ctx),
         "cache-policy" => exp::cache_policy::run(ctx),
         "cluster" => exp::cluster::run(ctx),
         "dspark" => exp::dspark::run(ctx),

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 pub mod autoscale_day;
 pub mod cache_policy;
 pub mod cluster;
+pub mod cluster_day;
 pub mod conformance;
 pub mod dspark;
 pub mod econ;
@@ -21,6 +22,7 @@ pub const KINDS: &[&str] = &[
     "autoscale-day",
     "cache-policy",
     "cluster",
+    "cluster-day",
     "dspark",
     "econ-sweep",
     "eplb",

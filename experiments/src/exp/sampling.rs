@@ -86,7 +86,7 @@ fn divide(n: u32, one_in: u32, field: &str) -> Result<u32> {
 }
 
 /// The unit that serves 1 in `one_in` sessions.
-fn scaled(s: &ServiceConfig, one_in: u32) -> Result<ServiceConfig> {
+pub(crate) fn scaled(s: &ServiceConfig, one_in: u32) -> Result<ServiceConfig> {
     if s.autoscale.is_some() || !s.faults.is_default() || s.store.has_failures() {
         bail!("sampling: the autoscaler and fault schedules are not scaled; remove them");
     }
@@ -94,6 +94,14 @@ fn scaled(s: &ServiceConfig, one_in: u32) -> Result<ServiceConfig> {
     c.prefill.gpus = divide(s.prefill.gpus, one_in, "prefill.gpus")?;
     c.decode.groups = divide(s.decode.groups, one_in, "decode.groups")?;
     c.swa.machines = divide(s.swa.machines, one_in, "swa.machines")?;
+    // A sample smaller than a machine still has one prefill and one decode machine: the SWA
+    // slots (1/R of them) are spread over those.
+    let machines = u32::try_from(c.machines()).unwrap_or(u32::MAX);
+    if c.swa.machines < machines {
+        let slots = u64::from(c.swa.machines) * u64::from(s.swa.slots_per_machine);
+        c.swa.slots_per_machine = u32::try_from(slots.div_ceil(u64::from(machines)))?;
+        c.swa.machines = machines;
+    }
     // An erasure-coded group needs its 12 nodes; the rest scales with the traffic.
     let group = s.store.ec_data_shards + s.store.ec_parity_shards;
     c.store.storage_nodes = s.store.storage_nodes.div_ceil(one_in).max(group);
@@ -102,7 +110,8 @@ fn scaled(s: &ServiceConfig, one_in: u32) -> Result<ServiceConfig> {
     Ok(c)
 }
 
-fn trace(w: &WorkloadConfig, seed: u64, bs: u32, one_in: u32) -> Result<Trace> {
+/// The trace of 1 in `one_in` sessions of `w` (all of them at 1).
+pub(crate) fn sampled_trace(w: &WorkloadConfig, seed: u64, bs: u32, one_in: u32) -> Result<Trace> {
     let sample = (one_in > 1).then(|| SessionSample {
         one_in,
         seed: sub_seed(seed, "sampling.sessions"),
@@ -113,7 +122,7 @@ fn trace(w: &WorkloadConfig, seed: u64, bs: u32, one_in: u32) -> Result<Trace> {
 fn run_point(cfg: &Config, seed: u64, one_in: u32) -> Result<Point> {
     let started = Instant::now();
     let s = scaled(&cfg.service, one_in)?;
-    let t = trace(&cfg.workload, seed, s.constants.block_tokens, one_in)?;
+    let t = sampled_trace(&cfg.workload, seed, s.constants.block_tokens, one_in)?;
     let rep = simulate(&s, &t.requests, seed)?;
     Ok(Point {
         one_in,
