@@ -116,9 +116,10 @@ pub(crate) fn run<'a>(
                 })
                 .collect();
             crew.workers.get_or_init(|| workers);
-            let ran = run_windows(&units, store, how.window.0, &crew);
-            crew.stop();
-            ran
+            // Stops the workers however this closure ends: the scope waits for them, so a
+            // panic here would otherwise wait forever on workers spinning for a window.
+            let _stop = StopOnDrop(&crew);
+            run_windows(&units, store, how.window.0, &crew)
         })?
     };
     Ok((
@@ -232,6 +233,14 @@ impl Crew {
         self.stopping.store(true, Ordering::Release);
         self.generation.fetch_add(1, Ordering::Release);
         self.wake_workers();
+    }
+}
+
+struct StopOnDrop<'c>(&'c Crew);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
     }
 }
 
