@@ -102,7 +102,7 @@ pub(crate) fn run<'a>(
         .collect();
     let threads = (how.threads as usize).clamp(1, units.len().max(1));
     let store = if threads == 1 {
-        run_windows(&units, store, how.window.0, &Crew::alone())?
+        run_windows(&units, store, how.window.0, &Crew::new(1))?
     } else {
         let crew = Crew::new(threads);
         std::thread::scope(|scope| {
@@ -159,10 +159,6 @@ struct Crew {
 }
 
 impl Crew {
-    fn alone() -> Self {
-        Crew::new(1)
-    }
-
     fn new(threads: usize) -> Self {
         Crew {
             threads,
