@@ -83,4 +83,7 @@ fn bad_day_keys_name_their_field() {
     let o = run(&d, &["day.one_in=3"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("does not divide"), "{}", stderr(&o));
+    let o = run(&d, &["day.published.gpus=[2400, 1700]"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("day.published.gpus"), "{}", stderr(&o));
 }
