@@ -96,5 +96,14 @@ if [[ "${ATTENTION_BENCH:-0}" == 1 ]]; then
       | tee -a "$out/attention-bench.log" | grep -E "GB/s|panicked|test result" || status=1
   done
 fi
+# PREFILL_BENCH=1: the prefill rows alone at full size (GEMM ceiling, GEMMs only, the attention
+# kernel's tile sweep, the whole steps, the whole fresh-prompt step per tiles):
+# prefill-bench.log and prefill-bench.json.
+if [[ "${PREFILL_BENCH:-0}" == 1 ]]; then
+  for t in "$b"/tests/servelab_hw*; do
+    OUT="$out" timeout 400 "$t" --ignored prefill_bench --nocapture --test-threads=1 2>&1 \
+      | tee -a "$out/prefill-bench.log" | grep -E "TFLOP/s|panicked|test result" || status=1
+  done
+fi
 (cd "$out" && tar czf json.tgz --remove-files $(ls *.json *.json.gz conformance-wall-replay.md 2>/dev/null) 2>/dev/null)
 exit $status

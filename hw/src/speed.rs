@@ -8,6 +8,7 @@
 pub mod ceilings;
 pub mod decode_step;
 pub mod mla;
+pub mod prefill;
 
 use std::sync::Arc;
 
@@ -805,6 +806,19 @@ fn prefill_step_note(model: &ModelShape, ph: &PrefillPhases, diag_ms: f64, tiles
     )
 }
 
+/// The prefill kernel's tiles in words.
+fn tiles_label(t: &PrefillTiles) -> String {
+    format!(
+        "tiles {} rows ({} warps x {} MMA tiles) x {} keys x {} stages, {} CTAs/SM bound",
+        t.rows(),
+        t.warps,
+        t.m_tiles,
+        t.keys_per_tile,
+        t.stages,
+        t.min_blocks
+    )
+}
+
 /// Which attention path a step row took: the prefill kernel's tiles and resources, or the
 /// reference path.
 fn prefill_tiles_note(b: &CudaBackend, with_kernel: bool, (regs, local): (i32, i32)) -> String {
@@ -812,10 +826,8 @@ fn prefill_tiles_note(b: &CudaBackend, with_kernel: bool, (regs, local): (i32, i
         .filter(|_| with_kernel)
         .map(|t| {
             format!(
-                "prefill attention tiles {} rows x {} keys, {} stages ({regs} regs, {local} B local)",
-                t.rows(),
-                t.keys_per_tile,
-                t.stages
+                "prefill attention {} ({regs} regs, {local} B local)",
+                tiles_label(&t)
             )
         })
         .unwrap_or_else(|| {
@@ -855,38 +867,65 @@ pub fn measure_prefill_steps(
     variants.extend(prefixes.first().map(|&p| (p, false)));
     for (prefix, with_kernel) in variants {
         b.use_prefill_kernel(with_kernel).map_err(backend_error)?;
-        let plan = prefill_step_plan(&model, p.tokens, prefix);
-        let (t, diag_ms, split) = time_prefill_step(&mut b, &plan, reps)?;
-        let flops = StepFlops::of(&model, prefix, p.tokens, prefix > 0);
-        let rate = flops.total() / (t.median_ms * 1e-3) / 1e12;
-        let ph = PrefillPhases {
-            prefix,
-            with_prefill_kernel: with_kernel,
-            tokens: p.tokens,
-            flops,
-            phases: split,
-            gemm_tflops: tflops_in(flops.gemm, split.gemm_ms),
-            attention_tflops: tflops_in(flops.attention, split.attention_ms),
-        };
-        let tiles = prefill_tiles_note(&b, with_kernel, resources);
-        rates.push(Rate {
-            what: format!(
-                "prefill step, whole (CUDA backend{}), {} tokens after a {prefix}-token {}, 1 encoder layer",
-                if with_kernel { "" } else { ", without the prefill kernel" },
-                p.tokens,
-                if prefix == 0 { "prefix (fresh prompt)" } else { "cached prefix (hit, window truncated)" }
-            ),
-            timing: t,
-            amount: flops.total(),
-            rate,
-            unit: "TFLOP/s",
-            ratio: Some(rate / ceiling_tflops),
-            note: prefill_step_note(&model, &ph, diag_ms, &tiles),
-        });
+        let (rate, ph) =
+            measure_step_row(&mut b, &model, p, prefix, reps, ceiling_tflops, resources)?;
+        rates.push(rate);
         phases.push(ph);
     }
     b.use_prefill_kernel(true).map_err(backend_error)?;
     Ok((rates, phases))
+}
+
+/// One whole-step row: `p.tokens` new tokens after `prefix` cached ones on `b` as it is
+/// configured (prefill kernel and tiles), its rate against `ceiling_tflops` and the phases of
+/// one diagnostic rep; `resources` are the prefill kernel's (registers, local bytes).
+pub(crate) fn measure_step_row(
+    b: &mut CudaBackend,
+    model: &ModelShape,
+    p: &PrefillShape,
+    prefix: usize,
+    reps: usize,
+    ceiling_tflops: f64,
+    resources: (i32, i32),
+) -> Result<(Rate, PrefillPhases), KernelError> {
+    let with_kernel = b.prefill_tiles().is_some();
+    let plan = prefill_step_plan(model, p.tokens, prefix);
+    let (t, diag_ms, split) = time_prefill_step(b, &plan, reps)?;
+    let flops = StepFlops::of(model, prefix, p.tokens, prefix > 0);
+    let rate = flops.total() / (t.median_ms * 1e-3) / 1e12;
+    let ph = PrefillPhases {
+        prefix,
+        with_prefill_kernel: with_kernel,
+        tokens: p.tokens,
+        flops,
+        phases: split,
+        gemm_tflops: tflops_in(flops.gemm, split.gemm_ms),
+        attention_tflops: tflops_in(flops.attention, split.attention_ms),
+    };
+    let tiles = prefill_tiles_note(b, with_kernel, resources);
+    let rate = Rate {
+        what: format!(
+            "prefill step, whole (CUDA backend{}), {} tokens after a {prefix}-token {}, 1 encoder layer",
+            if with_kernel {
+                ""
+            } else {
+                ", without the prefill kernel"
+            },
+            p.tokens,
+            if prefix == 0 {
+                "prefix (fresh prompt)"
+            } else {
+                "cached prefix (hit, window truncated)"
+            }
+        ),
+        timing: t,
+        amount: flops.total(),
+        rate,
+        unit: "TFLOP/s",
+        ratio: Some(rate / ceiling_tflops),
+        note: prefill_step_note(model, &ph, diag_ms, &tiles),
+    };
+    Ok((rate, ph))
 }
 
 /// The paged-attention shape of the backend model `m`.
@@ -894,19 +933,27 @@ fn attention_shape(m: &ModelShape) -> PagedAttentionShape {
     m.attention_shape()
 }
 
-/// Tiles the kernel-only measurement compares with the default.
+/// Tiles the kernel-only measurement compares with the default: (keys per tile, warps, MMA
+/// tiles per warp, stages, CTAs per SM bound), one and two MMA tiles per warp.
 fn prefill_tile_options(shape: &PagedAttentionShape) -> Vec<PrefillTiles> {
     let mut v: Vec<PrefillTiles> = default_tiles(shape).into_iter().collect();
-    for (keys_per_tile, warps, stages, min_blocks) in [
-        (32, 8, 2, 2),
-        (64, 8, 2, 1),
-        (64, 8, 3, 1),
-        (64, 4, 2, 3),
-        (32, 4, 2, 3),
+    for (keys_per_tile, warps, m_tiles, stages, min_blocks) in [
+        (32, 8, 1, 3, 2),
+        (32, 8, 1, 2, 2),
+        (64, 8, 1, 2, 1),
+        (32, 4, 1, 2, 3),
+        (32, 4, 2, 3, 2),
+        (32, 4, 2, 2, 2),
+        (32, 4, 2, 4, 2),
+        (16, 4, 2, 4, 2),
+        (32, 8, 2, 3, 1),
+        (32, 8, 2, 4, 1),
+        (16, 8, 2, 4, 1),
     ] {
         let t = PrefillTiles {
             keys_per_tile,
             warps,
+            m_tiles,
             stages,
             min_blocks,
         };
@@ -956,16 +1003,13 @@ pub fn measure_prefill_attention(
         let rate = flop / (tm.median_ms * 1e-3) / 1e12;
         v.push(Rate {
             what: format!(
-                "prefill attention kernel alone{}, kvh={} group={} d={}, {} tokens causal, tiles {} rows x {} keys x {} stages, {} CTAs/SM bound",
+                "prefill attention kernel alone{}, kvh={} group={} d={}, {} tokens causal, {}",
                 if i == 0 { " (default tiles)" } else { "" },
                 shape.num_kv_heads,
                 shape.group,
                 shape.d_qk,
                 p.tokens,
-                t.rows(),
-                t.keys_per_tile,
-                t.stages,
-                t.min_blocks
+                tiles_label(&t)
             ),
             timing: tm,
             amount: flop,

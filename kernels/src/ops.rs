@@ -180,29 +180,33 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         ));
     }
     let (a, b) = (
-        random_bf16(&mut r, 1000, 2.0),
-        random_bf16(&mut r, 1000, 2.0),
+        random_bf16(&mut r, 1003, 2.0),
+        random_bf16(&mut r, 1003, 2.0),
     );
-    let mut da = s.clone_htod(&a)?;
-    ops.add(gpu, &mut da, &s.clone_htod(&b)?, 1000)?;
-    let got: Vec<f64> = s.clone_dtoh(&da)?.iter().map(|v| v.to_f64()).collect();
-    let want: Vec<f64> = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| x.to_f64() + y.to_f64())
-        .collect();
-    out.push(CheckResult::from_stats(
-        "add_inplace",
-        "n=1000".into(),
-        ErrorStats::of(&got, &want),
-        BF16_TOL,
-    ));
+    // 1000: the 8-wide vector path alone; 1003: three more elements past it
+    for n in [1000usize, 1003] {
+        let mut da = s.clone_htod(&a[..n])?;
+        ops.add(gpu, &mut da, &s.clone_htod(&b[..n])?, n)?;
+        let got: Vec<f64> = s.clone_dtoh(&da)?.iter().map(|v| v.to_f64()).collect();
+        let want: Vec<f64> = a[..n]
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| x.to_f64() + y.to_f64())
+            .collect();
+        out.push(CheckResult::from_stats(
+            "add_inplace",
+            format!("n={n}"),
+            ErrorStats::of(&got, &want),
+            BF16_TOL,
+        ));
+    }
+    let a = &a[..1000];
     let mut f = s.clone_htod(&vec![f32::NAN; 1000])?;
-    ops.to_f32(gpu, &s.clone_htod(&a)?, &mut f, 1000)?;
+    ops.to_f32(gpu, &s.clone_htod(a)?, &mut f, 1000)?;
     let mismatches = s
         .clone_dtoh(&f)?
         .iter()
-        .zip(&a)
+        .zip(a)
         .filter(|(x, y)| **x != y.to_f32())
         .count();
     out.push(CheckResult::exact(
@@ -211,24 +215,27 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         mismatches,
     ));
     let ids = [4i32, 0, 4];
-    let mut dst = s.clone_htod(&vec![bf16::NAN; 3 * 100])?;
-    let src = s.clone_htod(&a[..500])?;
-    ops.select_rows(gpu, &src, 5, &ids, &s.clone_htod(&ids)?, &mut dst, 100)?;
-    let got = s.clone_dtoh(&dst)?;
-    let mismatches = ids
-        .iter()
-        .enumerate()
-        .map(|(i, &row)| {
-            (0..100)
-                .filter(|&c| got[i * 100 + c].to_bits() != a[row as usize * 100 + c].to_bits())
-                .count()
-        })
-        .sum();
-    out.push(CheckResult::exact(
-        "select_rows",
-        format!("rows {ids:?}"),
-        mismatches,
-    ));
+    // rows of 100: element by element; rows of 96: 16 bytes at a time
+    for dim in [100usize, 96] {
+        let mut dst = s.clone_htod(&vec![bf16::NAN; 3 * dim])?;
+        let src = s.clone_htod(&a[..5 * dim])?;
+        ops.select_rows(gpu, &src, 5, &ids, &s.clone_htod(&ids)?, &mut dst, dim)?;
+        let got = s.clone_dtoh(&dst)?;
+        let mismatches = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &row)| {
+                (0..dim)
+                    .filter(|&c| got[i * dim + c].to_bits() != a[row as usize * dim + c].to_bits())
+                    .count()
+            })
+            .sum();
+        out.push(CheckResult::exact(
+            "select_rows",
+            format!("rows {ids:?} of {dim}"),
+            mismatches,
+        ));
+    }
     Ok(out)
 }
 

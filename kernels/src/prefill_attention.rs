@@ -33,18 +33,28 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub struct PrefillTiles {
     /// Keys per shared-memory tile (a multiple of 16).
     pub keys_per_tile: usize,
-    /// Warps per CTA, 16 query rows each.
+    /// Warps per CTA, `16 * m_tiles` query rows each.
     pub warps: usize,
+    /// 16-row MMA tiles per warp (1 or 2). With two, every K and V fragment a warp reads from
+    /// shared memory feeds two MMAs instead of one: shared-memory reads per MMA, which bound
+    /// the one-tile kernel, fall by a third, for twice the accumulator registers.
+    #[serde(default = "one_m_tile")]
+    pub m_tiles: usize,
     /// Key tiles in flight (cp.async ring depth), at least 2.
     pub stages: usize,
     /// CTAs per SM asked of the compiler (`__launch_bounds__`), which caps registers.
     pub min_blocks: usize,
 }
 
+/// Records written before `m_tiles` existed ran one tile per warp.
+fn one_m_tile() -> usize {
+    1
+}
+
 impl PrefillTiles {
     /// Query rows of one CTA.
     pub fn rows(&self) -> usize {
-        16 * self.warps
+        16 * self.warps * self.m_tiles
     }
 
     /// Query heads of one KV head that a CTA takes together: the largest power of two that
@@ -89,6 +99,17 @@ impl PrefillTiles {
             format!("warps = {} must be in 1..=16", self.warps)
         })?;
         ensure(self.stages >= 2, || "stages must be at least 2".into())?;
+        // each lane holds `m_tiles * d_v / 2` f32 accumulators; past 128 they spill
+        ensure(
+            (1..=2).contains(&self.m_tiles) && self.m_tiles * shape.d_v <= MAX_HEAD_DIM,
+            || {
+                format!(
+                    "m_tiles = {} must be 1 or 2, with m_tiles x d_v = {} at most {MAX_HEAD_DIM}",
+                    self.m_tiles,
+                    self.m_tiles * shape.d_v
+                )
+            },
+        )?;
         ensure((1..=8).contains(&self.min_blocks), || {
             "min_blocks must be in 1..=8".into()
         })?;
@@ -110,21 +131,36 @@ pub fn supports(shape: &PagedAttentionShape) -> bool {
         && shape.d_qk <= MAX_HEAD_DIM
 }
 
-/// Default tiles for `shape`, or `None` when the kernel does not take it: 128 query rows per
-/// CTA (8 warps), 32-key tiles in a three-deep ring; at d <= 128 two CTAs per SM (128
-/// registers, no spills). Measured on the H200 (`servelab-gpu speed`, kvh 4 x group 8 x d 128,
-/// 8,192 causal tokens): 244-250 TFLOP/s, two stages 238-248 (within run-to-run noise),
-/// 64-key tiles at one CTA per SM 209-212, 64-row CTAs 197-211.
+/// Default tiles for `shape`, or `None` when the kernel does not take it: 32-key tiles. At
+/// d <= 128, 8 warps of two 16-row MMA tiles each (256 query rows per CTA) in a three-deep ring,
+/// one CTA per SM (255 registers, no spills): each K and V fragment read from shared memory
+/// feeds two MMAs, and each key tile loaded serves twice the rows. Wider heads keep one MMA tile
+/// per warp (128 rows, two stages, one CTA per SM), as two would not fit the registers.
+/// Measured on the H200 (`prefill_bench`, kvh 4 x group 8 x d 128, 8,192 causal tokens; see
+/// hw/measurements/2026-12-04-nvidia-h200-prefill-step.md): 251-261 TFLOP/s alone (four stages
+/// 261-264, no faster in the whole step), against 246-250 for one MMA tile per warp at 128 rows
+/// and two CTAs per SM, and the fastest whole step of the tiles tried in both runs.
 pub fn default_tiles(shape: &PagedAttentionShape) -> Option<PrefillTiles> {
     if !supports(shape) {
         return None;
     }
     let small = shape.d_qk <= 128 && shape.d_v <= 128;
-    let t = PrefillTiles {
-        keys_per_tile: 32,
-        warps: 8,
-        stages: if small { 3 } else { 2 },
-        min_blocks: if small { 2 } else { 1 },
+    let t = if small {
+        PrefillTiles {
+            keys_per_tile: 32,
+            warps: 8,
+            m_tiles: 2,
+            stages: 3,
+            min_blocks: 1,
+        }
+    } else {
+        PrefillTiles {
+            keys_per_tile: 32,
+            warps: 8,
+            m_tiles: 1,
+            stages: 2,
+            min_blocks: 1,
+        }
     };
     t.validate_for(shape).ok().map(|_| t)
 }
@@ -139,6 +175,7 @@ pub(crate) fn defines(shape: &PagedAttentionShape, t: &PrefillTiles) -> Vec<(&'s
         ("QTOK", t.rows() / hpc),
         ("BN", t.keys_per_tile),
         ("WARPS", t.warps),
+        ("MT", t.m_tiles),
         ("STAGES", t.stages),
         ("MINB", t.min_blocks),
         ("ROWP", PrefillTiles::row(shape.d_qk)),
@@ -540,7 +577,7 @@ fn case_detail(
     window: Option<usize>,
 ) -> String {
     format!(
-        "kvh={} group={} d_qk={} d_v={} block {} tiles {}x{} keys ({} heads x {} tokens per CTA, {} stages) chunks (prefix, tokens) {chunks:?}{}",
+        "kvh={} group={} d_qk={} d_v={} block {} tiles {}x{} keys ({} warps x {} MMA tiles, {} heads x {} tokens per CTA, {} stages) chunks (prefix, tokens) {chunks:?}{}",
         shape.num_kv_heads,
         shape.group,
         shape.d_qk,
@@ -548,6 +585,8 @@ fn case_detail(
         shape.block_size,
         t.rows(),
         t.keys_per_tile,
+        t.warps,
+        t.m_tiles,
         t.heads_per_cta(shape),
         t.tokens_per_cta(shape),
         t.stages,
@@ -576,10 +615,11 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         &'a [(usize, usize)],
         Option<usize>,
     );
-    let tiles = |keys_per_tile, warps, stages, min_blocks| {
+    let tiles = |keys_per_tile, warps, m_tiles, stages, min_blocks| {
         Some(PrefillTiles {
             keys_per_tile,
             warps,
+            m_tiles,
             stages,
             min_blocks,
         })
@@ -588,24 +628,37 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         (s(2, 4, 128, 128, 128), None, mixed, None),
         (s(2, 4, 128, 128, 128), None, &[(0, 77)], None),
         (s(2, 4, 128, 128, 128), None, &[(300, 160), (0, 33)], None),
-        // 8 heads per KV head: 16 tokens per CTA
+        // 8 heads per KV head: 32 tokens per CTA
         (s(1, 8, 128, 128, 128), None, mixed, None),
         // 16-token blocks: every key tile spans several blocks
         (s(2, 2, 128, 128, 16), None, mixed, None),
-        // a group with no power-of-two factor: one head per CTA, 128 tokens
+        // a group with no power-of-two factor: one head per CTA, 256 tokens
         (s(1, 3, 64, 64, 32), None, mixed, None),
         // keys wider than values
         (s(1, 4, 192, 128, 128), None, &[(70, 90), (0, 140)], None),
         (s(2, 2, 256, 256, 128), None, &[(0, 150), (200, 45)], None),
-        // other tiles: 4 warps (64 rows) with a deeper ring, 64- and 128-key tiles
-        (s(2, 4, 128, 128, 128), tiles(32, 4, 3, 2), mixed, None),
-        (s(2, 4, 128, 128, 128), tiles(64, 8, 2, 1), mixed, None),
-        (s(2, 4, 128, 128, 64), tiles(128, 8, 2, 1), mixed, None),
+        // other tiles, one 16-row MMA tile per warp: 8 warps (128 rows), 4 warps (64 rows)
+        // with a deeper ring, 64- and 128-key tiles
+        (s(2, 4, 128, 128, 128), tiles(32, 8, 1, 3, 2), mixed, None),
+        (s(2, 4, 128, 128, 128), tiles(32, 4, 1, 3, 2), mixed, None),
+        (s(2, 4, 128, 128, 128), tiles(64, 8, 1, 2, 1), mixed, None),
+        (s(2, 4, 128, 128, 64), tiles(128, 8, 1, 2, 1), mixed, None),
+        // two MMA tiles per warp at 4 warps (128 rows, 32 tokens of 4 heads), 16-key tiles, and
+        // one head per CTA, where a warp's two tiles are different tokens
+        (s(2, 4, 128, 128, 128), tiles(32, 4, 2, 3, 2), mixed, None),
+        (s(1, 8, 128, 128, 128), tiles(16, 4, 2, 4, 2), mixed, None),
+        (s(1, 3, 64, 64, 32), tiles(32, 4, 2, 2, 2), mixed, None),
         // sliding windows: the backend's 128, and one that is no multiple of the tile
         (s(2, 4, 128, 128, 128), None, mixed, Some(128)),
         (
             s(1, 8, 64, 64, 32),
-            tiles(64, 8, 2, 1),
+            tiles(64, 8, 1, 2, 1),
+            &[(0, 300), (90, 41)],
+            Some(50),
+        ),
+        (
+            s(1, 8, 64, 64, 32),
+            tiles(32, 4, 2, 2, 2),
             &[(0, 300), (90, 41)],
             Some(50),
         ),
@@ -637,19 +690,28 @@ mod tests {
     #[test]
     fn ctas_pack_the_heads_that_share_a_kv_head() {
         let t = default_tiles(&shape(4, 128)).unwrap();
+        // 8 warps of two 16-row MMA tiles each
         assert_eq!(
-            (t.rows(), t.keys_per_tile, t.stages, t.min_blocks),
-            (128, 32, 3, 2)
+            (t.rows(), t.warps, t.m_tiles, t.keys_per_tile, t.stages),
+            (256, 8, 2, 32, 3)
         );
+        assert_eq!(t.min_blocks, 1);
         assert_eq!(t.heads_per_cta(&shape(4, 128)), 4);
-        assert_eq!(t.tokens_per_cta(&shape(4, 128)), 32);
+        assert_eq!(t.tokens_per_cta(&shape(4, 128)), 64);
+        assert_eq!(t.heads_per_cta(&shape(8, 128)), 8);
+        assert_eq!(t.tokens_per_cta(&shape(8, 128)), 32);
+        let one = PrefillTiles { m_tiles: 1, ..t };
+        assert_eq!(one.rows(), 128);
         // at most 8 heads, so a warp's 16 rows are 16 tokens of one head
-        assert_eq!(t.heads_per_cta(&shape(16, 128)), 8);
-        assert_eq!(t.heads_per_cta(&shape(12, 128)), 4);
-        assert_eq!(t.heads_per_cta(&shape(3, 128)), 1);
-        assert_eq!(t.tokens_per_cta(&shape(3, 128)), 128);
-        let small = PrefillTiles { warps: 2, ..t };
+        assert_eq!(one.heads_per_cta(&shape(16, 128)), 8);
+        assert_eq!(one.heads_per_cta(&shape(12, 128)), 4);
+        assert_eq!(one.heads_per_cta(&shape(3, 128)), 1);
+        assert_eq!(one.tokens_per_cta(&shape(3, 128)), 128);
+        let small = PrefillTiles { warps: 2, ..one };
         assert_eq!(small.heads_per_cta(&shape(8, 128)), 2);
+        // two MMA tiles per warp double the rows, and the heads packed with them
+        let two = PrefillTiles { warps: 2, ..t };
+        assert_eq!((two.rows(), two.heads_per_cta(&shape(8, 128))), (64, 4));
     }
 
     #[test]
@@ -659,8 +721,8 @@ mod tests {
         assert!(default_tiles(&shape(4, 120)).is_none());
         assert!(default_tiles(&shape(4, 512)).is_none());
         let t = default_tiles(&shape(4, 128)).unwrap();
-        // Q tile 128 rows + 3 x 32 keys, rows of 136 bf16
-        assert_eq!(t.smem_bytes(&shape(4, 128)), (128 + 96) * 136 * 2);
+        // Q tile 256 rows + 3 x 32 keys, rows of 136 bf16
+        assert_eq!(t.smem_bytes(&shape(4, 128)), (256 + 96) * 136 * 2);
         assert_eq!(PrefillTiles::row(192), 200);
         assert_eq!(PrefillTiles::row(64), 72);
         let bad = PrefillTiles {
@@ -668,7 +730,29 @@ mod tests {
             ..t
         };
         assert!(bad.validate_for(&shape(4, 128)).is_err());
-        let huge = PrefillTiles { stages: 12, ..t };
+        // two MMA tiles per warp hold 2 x d_v / 2 accumulators per lane: not at d_v 256
+        let wide = default_tiles(&shape(4, 256)).unwrap();
+        assert_eq!(wide.m_tiles, 1);
+        assert!(
+            PrefillTiles { m_tiles: 2, ..wide }
+                .validate_for(&shape(4, 256))
+                .is_err()
+        );
+        assert!(
+            PrefillTiles { m_tiles: 3, ..t }
+                .validate_for(&shape(4, 64))
+                .is_err()
+        );
+        assert!(
+            PrefillTiles { m_tiles: 0, ..t }
+                .validate_for(&shape(4, 64))
+                .is_err()
+        );
+        let huge = PrefillTiles {
+            stages: 12,
+            m_tiles: 1,
+            ..t
+        };
         assert!(huge.validate_for(&shape(4, 256)).is_err());
     }
 

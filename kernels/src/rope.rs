@@ -97,7 +97,7 @@ impl Rope {
             positions.len() >= n && x.len() >= n * sh.heads * sh.head_dim,
             || "x or positions too short for the rows".into(),
         )?;
-        let total = n * sh.heads * sh.rot_dim / 2;
+        let total = n * sh.rot_dim / 2;
         if total == 0 {
             return Ok(());
         }

@@ -47,16 +47,38 @@ extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gu, bf16_t* __res
     }
 }
 
-// x[i] += y[i] (residual), rounded to bf16.
+// x[i] += y[i] (residual), rounded to bf16. When both buffers are 16-byte aligned, 8 elements
+// per thread and step (uint4), the tail past the last multiple of 8 element by element.
 extern "C" __global__ void add_inplace(bf16_t* __restrict__ x, const bf16_t* __restrict__ y, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    i64 head = 0;
+    if (((((unsigned long long)x) | ((unsigned long long)y)) & 15) == 0) {
+        head = n & ~(i64)7;
+        for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < head / 8; i += stride) {
+            float a[8], b[8];
+            unpack8(reinterpret_cast<const uint4*>(x)[i], a);
+            unpack8(reinterpret_cast<const uint4*>(y)[i], b);
+            unsigned int o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                o[e] = (unsigned int)f2bf(a[2 * e] + b[2 * e]) | ((unsigned int)f2bf(a[2 * e + 1] + b[2 * e + 1]) << 16);
+            reinterpret_cast<uint4*>(x)[i] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+    for (i64 i = head + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
 }
 
-// dst[i, :] = src[rows[i], :] for rows of `dim` bf16 (selects the rows that need logits).
+// dst[i, :] = src[rows[i], :] for rows of `dim` bf16 (embeddings; the rows that need logits),
+// 16 bytes at a time when dim is a multiple of 8 and both buffers are 16-byte aligned.
 extern "C" __global__ void select_rows(const bf16_t* __restrict__ src, const int* __restrict__ rows,
                                        bf16_t* __restrict__ dst, int dim) {
     const bf16_t* s = src + (i64)rows[blockIdx.x] * dim;
     bf16_t* d = dst + (i64)blockIdx.x * dim;
+    if ((dim & 7) == 0 && ((((unsigned long long)src) | ((unsigned long long)dst)) & 15) == 0) {
+        for (int c = threadIdx.x; c < dim / 8; c += blockDim.x)
+            reinterpret_cast<uint4*>(d)[c] = reinterpret_cast<const uint4*>(s)[c];
+        return;
+    }
     for (int c = threadIdx.x; c < dim; c += blockDim.x) d[c] = s[c];
 }

@@ -3,11 +3,12 @@
 // Work unit: one CTA = one query *group* (up to QTOK consecutive query tokens of one sequence;
 // token j of n sees keys [kv_start, kv_end - (n - 1 - j)), i.e. causal over the cached prefix
 // plus the chunk's own keys, which are already in the pool) x HPC query heads of one KV head.
-// The CTA's BM = 16 * WARPS rows are (head r / QTOK, token r % QTOK), QTOK * HPC = BM, so one
-// key tile in shared memory serves every head of the group that shares it (GQA).
-// Each warp owns 16 rows: S = Q·Kᵀ and O += P·V on mma.sync.m16n8k16 (bf16 in, f32
-// accumulate), online softmax in the log2 domain, P re-used from the S accumulators as the A
-// fragments of the P·V MMA. Keys stream through a STAGES-deep cp.async ring of BN-key tiles,
+// The CTA's BM = 16 * MT * WARPS rows are (head r / QTOK, token r % QTOK), QTOK * HPC = BM, so
+// one key tile in shared memory serves every head of the group that shares it (GQA).
+// Each warp owns MT 16-row MMA tiles: S = Q·Kᵀ and O += P·V on mma.sync.m16n8k16 (bf16 in,
+// f32 accumulate), online softmax in the log2 domain, P re-used from the S accumulators as the
+// A fragments of the P·V MMA. Every K and V fragment a warp loads from shared memory feeds its
+// MT tiles (with MT = 2 the ldmatrix traffic per MMA, which bounds MT = 1, falls by a third). Keys stream through a STAGES-deep cp.async ring of BN-key tiles,
 // one __syncthreads per tile. Values are the first D_V elements of each key row (the pool's
 // MLA-like layout, the same rows the decode kernels read).
 // Key tiles start at multiples of BN from position 0, and a row's softmax sees only its own
@@ -17,10 +18,10 @@
 // [max(kv_start, lim - window), lim); pass INT_MAX for none. Tiles wholly below a warp's rows'
 // windows are skipped, and the CTA starts at its first token's window.
 // Compile-time (NVRTC -D): D_QK, D_V (multiples of 16, D_V <= D_QK), GROUP, HPC (heads per CTA,
-// divides GROUP), QTOK, BN (keys per tile, multiple of 16), WARPS, STAGES (>= 2), MINB, ROWP
-// (shared row in bf16: an odd number of 16-byte chunks, so the 8 rows of an ldmatrix phase hit
-// distinct bank groups).
-#define BM (WARPS * 16)
+// divides GROUP), QTOK, BN (keys per tile, multiple of 16), WARPS, MT (16-row MMA tiles per warp),
+// STAGES (>= 2), MINB, ROWP (shared row in bf16: an odd number of 16-byte chunks, so the 8 rows
+// of an ldmatrix phase hit distinct bank groups).
+#define BM (WARPS * 16 * MT)
 #define NTHREADS (WARPS * 32)
 #define QCH (D_QK / 8)
 #define LOG2E 1.4426950408889634f
@@ -139,29 +140,50 @@ prefill_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         asm volatile("cp.async.commit_group;");
     }
 
-    // This lane's rows g and g + 8 of the warp's 16; each sees keys [start, lim).
+    // This lane's rows g and g + 8 of each of the warp's MT 16-row m-tiles; row (mt, half)
+    // sees keys [lo[mt][half], lim[mt][half]).
     const int g = lane >> 2, qd = lane & 3;
-    const int r0 = warp * 16 + g, r1 = r0 + 8;
-    const int t0 = r0 % QTOK, t1 = r1 % QTOK;
-    const int lim0 = t0 < qn ? end - (qn - 1 - t0) : start;  // padding rows see no key
-    const int lim1 = t1 < qn ? end - (qn - 1 - t1) : start;
-    const int lo0 = max(start, lim0 - window), lo1 = max(start, lim1 - window);
-    const int warp_lim = __reduce_max_sync(0xffffffffu, max(lim0, lim1));
-    // lowest key any real row of the warp sees (padding rows do not count)
-    const int warp_lo = __reduce_min_sync(0xffffffffu, min(t0 < qn ? lo0 : 0x7fffffff, t1 < qn ? lo1 : 0x7fffffff));
+    int lim[MT][2], lo[MT][2];
+    int warp_lim = start, warp_lo = 0x7fffffff, full_lo = start, full_hi = 0x7fffffff;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = (warp * MT + mt) * 16 + g + hf * 8;
+            const int t = r % QTOK;
+            const bool real = t < qn;
+            lim[mt][hf] = real ? end - (qn - 1 - t) : start;  // padding rows see no key
+            lo[mt][hf] = max(start, lim[mt][hf] - window);
+            warp_lim = max(warp_lim, lim[mt][hf]);
+            // lowest key any real row of the warp sees (padding rows do not count)
+            warp_lo = min(warp_lo, real ? lo[mt][hf] : 0x7fffffff);
+            full_lo = max(full_lo, lo[mt][hf]);
+            full_hi = min(full_hi, real ? lim[mt][hf] : -1);
+        }
+    warp_lim = __reduce_max_sync(0xffffffffu, warp_lim);
+    warp_lo = __reduce_min_sync(0xffffffffu, warp_lo);
     // keys [full_lo, full_hi) are visible to every row of the warp (empty if any row is padding)
-    const int full_lo = __reduce_max_sync(0xffffffffu, max(lo0, lo1));
-    const int full_hi = __reduce_min_sync(0xffffffffu, min(t0 < qn ? lim0 : -1, t1 < qn ? lim1 : -1));
+    full_lo = __reduce_max_sync(0xffffffffu, full_lo);
+    full_hi = __reduce_min_sync(0xffffffffu, full_hi);
     const float sl2 = scale * LOG2E;
     // ldmatrix row addresses: lane gives row (lane & 7) of matrix (lane >> 3).
     const int mi = lane >> 3, rr = lane & 7;
 
-    float o[D_V / 8][4];
+    float o[MT][D_V / 8][4];
 #pragma unroll
-    for (int n = 0; n < D_V / 8; ++n)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+        for (int n = 0; n < D_V / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.f;
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            m[mt][hf] = -INFINITY;
+            l[mt][hf] = 0.f;
+        }
 
     for (int it = 0; it < ntiles; ++it) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
@@ -176,93 +198,122 @@ prefill_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
         if (tb >= warp_lim || tb + BN <= warp_lo) continue;
         const unsigned int buf = ks_s + (it % STAGES) * (BN * ROWP * 2);
 
-        // S = Q · Kᵀ: 16 rows x BN keys.
-        float s[BN / 8][4];
+        // S = Q · Kᵀ: MT x 16 rows x BN keys; each K fragment serves every m-tile of the warp.
+        float s[MT][BN / 8][4];
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+            for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
 #pragma unroll
         for (int k = 0; k < D_QK / 16; ++k) {
             // A: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-            unsigned int a0, a1, a2, a3;
-            ldsm_x4(qs_s + ((warp * 16 + (lane & 15)) * ROWP + k * 16 + (lane >> 4) * 8) * 2, a0, a1, a2, a3);
+            unsigned int a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldsm_x4(qs_s + (((warp * MT + mt) * 16 + (lane & 15)) * ROWP + k * 16 + (lane >> 4) * 8) * 2,
+                        a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
 #pragma unroll
             for (int np = 0; np < BN / 16; ++np) {
                 // B: (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15, k 8-15)
                 unsigned int b0, b1, b2, b3;
                 const int key = np * 16 + rr + ((mi >> 1) << 3);
                 ldsm_x4(buf + (key * ROWP + k * 16 + (mi & 1) * 8) * 2, b0, b1, b2, b3);
-                mma16816(s[2 * np], a0, a1, a2, a3, b0, b1);
-                mma16816(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816(s[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+                    mma16816(s[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+                }
             }
         }
         // Online softmax per row, log2 domain, one rescale per tile.
-        float mt0 = -INFINITY, mt1 = -INFINITY;
         if (tb >= full_lo && tb + BN <= full_hi) {  // warp-uniform: a tile every row sees whole
 #pragma unroll
-            for (int n = 0; n < BN / 8; ++n)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] *= sl2;
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][n][e] *= sl2;
         } else {
 #pragma unroll
-            for (int n = 0; n < BN / 8; ++n)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int t = tb + n * 8 + qd * 2 + (e & 1);
-                    const bool vis = e < 2 ? (t >= lo0 && t < lim0) : (t >= lo1 && t < lim1);
-                    s[n][e] = vis ? s[n][e] * sl2 : -INFINITY;
-                }
-        }
+                for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            mt0 = fmaxf(mt0, fmaxf(s[n][0], s[n][1]));
-            mt1 = fmaxf(mt1, fmaxf(s[n][2], s[n][3]));
+                    for (int e = 0; e < 4; ++e) {
+                        const int t = tb + n * 8 + qd * 2 + (e & 1);
+                        const int hf = e >> 1;
+                        const bool vis = t >= lo[mt][hf] && t < lim[mt][hf];
+                        s[mt][n][e] = vis ? s[mt][n][e] * sl2 : -INFINITY;
+                    }
         }
+        float bias[MT][2], corr[MT][2];
+        bool moved = false;
 #pragma unroll
-        for (int x = 1; x <= 2; x <<= 1) {
-            mt0 = fmaxf(mt0, __shfl_xor_sync(0xffffffffu, mt0, x));
-            mt1 = fmaxf(mt1, __shfl_xor_sync(0xffffffffu, mt1, x));
+        for (int mt = 0; mt < MT; ++mt) {
+            float mt0 = -INFINITY, mt1 = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < BN / 8; ++n) {
+                mt0 = fmaxf(mt0, fmaxf(s[mt][n][0], s[mt][n][1]));
+                mt1 = fmaxf(mt1, fmaxf(s[mt][n][2], s[mt][n][3]));
+            }
+#pragma unroll
+            for (int x = 1; x <= 2; x <<= 1) {
+                mt0 = fmaxf(mt0, __shfl_xor_sync(0xffffffffu, mt0, x));
+                mt1 = fmaxf(mt1, __shfl_xor_sync(0xffffffffu, mt1, x));
+            }
+            const float mn0 = fmaxf(m[mt][0], mt0), mn1 = fmaxf(m[mt][1], mt1);
+            // a row with no visible key yet keeps m = -inf; subtract 0 so exp2 gives exact zeros
+            bias[mt][0] = mn0 == -INFINITY ? 0.f : mn0;
+            bias[mt][1] = mn1 == -INFINITY ? 0.f : mn1;
+            // exactly 1 when the max did not move (the lazy rescale below relies on it)
+            corr[mt][0] = mn0 == m[mt][0] ? 1.f : fast_exp2(m[mt][0] - bias[mt][0]);
+            corr[mt][1] = mn1 == m[mt][1] ? 1.f : fast_exp2(m[mt][1] - bias[mt][1]);
+            moved = moved || mn0 != m[mt][0] || mn1 != m[mt][1];
+            m[mt][0] = mn0;
+            m[mt][1] = mn1;
         }
-        const float mn0 = fmaxf(m0, mt0), mn1 = fmaxf(m1, mt1);
-        // a row with no visible key yet keeps m = -inf; subtract 0 so exp2 gives exact zeros
-        const float b0 = mn0 == -INFINITY ? 0.f : mn0, b1 = mn1 == -INFINITY ? 0.f : mn1;
-        // exactly 1 when the max did not move (the lazy rescale below relies on it)
-        const float c0 = mn0 == m0 ? 1.f : fast_exp2(m0 - b0);
-        const float c1 = mn1 == m1 ? 1.f : fast_exp2(m1 - b1);
         // no row of the warp raised its max: every factor is exactly 1 (or the accumulators
         // are still 0), so the rescale is skipped, bit-identically (warp-uniform vote)
-        const bool same = __all_sync(0xffffffffu, mn0 == m0 && mn1 == m1);
-        m0 = mn0;
-        m1 = mn1;
-        float ps0 = 0.f, ps1 = 0.f;
+        const bool same = __all_sync(0xffffffffu, !moved);
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n) {
-            s[n][0] = fast_exp2(s[n][0] - b0);
-            s[n][1] = fast_exp2(s[n][1] - b0);
-            s[n][2] = fast_exp2(s[n][2] - b1);
-            s[n][3] = fast_exp2(s[n][3] - b1);
-            ps0 += s[n][0] + s[n][1];
-            ps1 += s[n][2] + s[n][3];
-        }
-        l0 = l0 * c0 + ps0;  // per-thread partial row sums; the quad is summed at the end
-        l1 = l1 * c1 + ps1;
-        if (!same) {
+        for (int mt = 0; mt < MT; ++mt) {
+            float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
-            for (int n = 0; n < D_V / 8; ++n) {
-                o[n][0] *= c0;
-                o[n][1] *= c0;
-                o[n][2] *= c1;
-                o[n][3] *= c1;
+            for (int n = 0; n < BN / 8; ++n) {
+                s[mt][n][0] = fast_exp2(s[mt][n][0] - bias[mt][0]);
+                s[mt][n][1] = fast_exp2(s[mt][n][1] - bias[mt][0]);
+                s[mt][n][2] = fast_exp2(s[mt][n][2] - bias[mt][1]);
+                s[mt][n][3] = fast_exp2(s[mt][n][3] - bias[mt][1]);
+                ps0 += s[mt][n][0] + s[mt][n][1];
+                ps1 += s[mt][n][2] + s[mt][n][3];
+            }
+            // per-thread partial row sums; the quad is summed at the end
+            l[mt][0] = l[mt][0] * corr[mt][0] + ps0;
+            l[mt][1] = l[mt][1] * corr[mt][1] + ps1;
+            if (!same) {
+#pragma unroll
+                for (int n = 0; n < D_V / 8; ++n) {
+                    o[mt][n][0] *= corr[mt][0];
+                    o[mt][n][1] *= corr[mt][0];
+                    o[mt][n][2] *= corr[mt][1];
+                    o[mt][n][3] *= corr[mt][1];
+                }
             }
         }
-        // O += P · V, 16 keys per MMA step; P's A fragments are the S accumulators.
+        // O += P · V, 16 keys per MMA step; P's A fragments are the S accumulators, and each V
+        // fragment serves every m-tile of the warp.
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-            const unsigned int pa0 = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-            const unsigned int pa1 = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-            const unsigned int pa2 = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const unsigned int pa3 = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            unsigned int pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
             const int key = kk * 16 + rr + ((mi & 1) << 3);
 #pragma unroll
             for (int dp = 0; dp < D_V / 16; ++dp) {
@@ -270,28 +321,30 @@ prefill_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv,
                 // (keys 8-15, dv 8-15)
                 unsigned int v0, v1, v2, v3;
                 ldsm_x4_t(buf + (key * ROWP + dp * 16 + (mi >> 1) * 8) * 2, v0, v1, v2, v3);
-                mma16816(o[2 * dp], pa0, pa1, pa2, pa3, v0, v1);
-                mma16816(o[2 * dp + 1], pa0, pa1, pa2, pa3, v2, v3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816(o[mt][2 * dp], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], v0, v1);
+                    mma16816(o[mt][2 * dp + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], v2, v3);
+                }
             }
         }
     }
     asm volatile("cp.async.wait_group 0;");
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-    }
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = half ? r1 : r0;
-        const int tok = r % QTOK;
-        if (tok >= qn) continue;
-        const float l = half ? l1 : l0;
-        const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no visible key gives zeros
-        bf16_t* dst = out + ((i64)(q0 + tok) * num_heads + h0 + r / QTOK) * D_V + qd * 2;
+        for (int hf = 0; hf < 2; ++hf) {
+            float lt = l[mt][hf];
 #pragma unroll
-        for (int n = 0; n < D_V / 8; ++n)
-            *reinterpret_cast<unsigned int*>(dst + n * 8) =
-                pack_bf16x2(o[n][2 * half] * inv, o[n][2 * half + 1] * inv);
-    }
+            for (int x = 1; x <= 2; x <<= 1) lt += __shfl_xor_sync(0xffffffffu, lt, x);
+            const int r = (warp * MT + mt) * 16 + g + hf * 8;
+            const int tok = r % QTOK;
+            if (tok >= qn) continue;
+            const float inv = lt > 0.f ? 1.f / lt : 0.f;  // a row with no visible key gives zeros
+            bf16_t* dst = out + ((i64)(q0 + tok) * num_heads + h0 + r / QTOK) * D_V + qd * 2;
+#pragma unroll
+            for (int n = 0; n < D_V / 8; ++n)
+                *reinterpret_cast<unsigned int*>(dst + n * 8) =
+                    pack_bf16x2(o[mt][n][2 * hf] * inv, o[mt][n][2 * hf + 1] * inv);
+        }
 }

@@ -318,6 +318,7 @@ fn run(
     s.join(&b.copy)?;
     let stack = StackInputs {
         t,
+        first_projected: false,
         pos: &db.pos,
         ring_slots: &db.ring_slots,
         swa: Swa::Ring(ring),
