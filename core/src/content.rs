@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 /// Key of a block of content, chained over every block before it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -78,8 +79,9 @@ pub type KeySet = HashSet<BlockKey, KeyBuildHasher>;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ContentChain {
     block_tokens: u32,
-    /// Key of every full block, in order.
-    blocks: Vec<BlockKey>,
+    /// Key of every full block, in order (shared, so that a serving unit holding a request
+    /// reaches its keys in one load, without keeping the chain's other parts alive).
+    blocks: Arc<[BlockKey]>,
     /// Every segment end, in increasing position (block-aligned ends repeat the block key).
     marks: Vec<Mark>,
     total_tokens: u32,
@@ -96,6 +98,10 @@ impl ContentChain {
     pub fn full_blocks(&self, tokens: u32) -> &[BlockKey] {
         let n = (tokens / self.block_tokens) as usize;
         &self.blocks[..n.min(self.blocks.len())]
+    }
+    /// Every full-block key, shared with the chain.
+    pub fn shared_blocks(&self) -> Arc<[BlockKey]> {
+        Arc::clone(&self.blocks)
     }
     pub fn marks(&self) -> &[Mark] {
         &self.marks
@@ -146,7 +152,9 @@ pub struct ChainOverflow {
 /// Builds a [`ContentChain`] segment by segment; cost is O(tokens / block) per segment.
 #[derive(Clone, Debug)]
 pub struct ChainBuilder {
+    /// The chain so far, its keys aside (they move into the chain at [`Self::finish`]).
     chain: ContentChain,
+    blocks: Vec<BlockKey>,
     prev: u64,
     fp: u64,
     fill: u32,
@@ -157,9 +165,10 @@ impl ChainBuilder {
     pub fn new(block_tokens: u32) -> Self {
         assert!(block_tokens > 0, "block_tokens must be positive");
         Self {
+            blocks: Vec::new(),
             chain: ContentChain {
                 block_tokens,
-                blocks: Vec::new(),
+                blocks: Arc::from([]),
                 marks: Vec::new(),
                 total_tokens: 0,
             },
@@ -220,7 +229,7 @@ impl ChainBuilder {
             offset += n;
             if self.fill == b {
                 let key = BlockKey(hash2(self.prev, hash2(self.fp, u64::from(b))));
-                self.chain.blocks.push(key);
+                self.blocks.push(key);
                 self.prev = key.0;
                 self.fp = FP_INIT;
                 self.fill = 0;
@@ -241,7 +250,10 @@ impl ChainBuilder {
     }
 
     pub fn finish(self) -> ContentChain {
-        self.chain
+        ContentChain {
+            blocks: Arc::from(self.blocks),
+            ..self.chain
+        }
     }
 }
 

@@ -398,11 +398,11 @@ pub fn workload_with_seed(file: &ConformanceFile, seed: u64) -> Result<Vec<Reque
 
 /// Runs the config's unit over `reqs` in the environment `make_env` builds, through the one
 /// driver loop; the environment's record gets the report's request table.
-pub fn run_unit<'r, E: Environment>(
+pub fn run_unit<E: Environment>(
     file: &ConformanceFile,
     profile: &HardwareProfile,
-    reqs: &'r [Request],
-    make_env: impl FnOnce(&ServingUnit<'r>) -> E,
+    reqs: &[Request],
+    make_env: impl FnOnce(&ServingUnit) -> E,
     into_run: impl FnOnce(E) -> RunOutcome,
 ) -> Result<(RunOutcome, ServiceReport), ConformanceError> {
     let mut unit = ServingUnit::new(file.unit_config(profile)?, reqs)?;

@@ -256,7 +256,7 @@ pub struct GpuEnv<'d> {
 
 impl<'d> GpuEnv<'d> {
     /// On the virtual clock, with `run` the GPU (or a stand-in) on this thread.
-    pub fn virtual_clock(run: &'d mut dyn UnitDevice, unit: &ServingUnit<'_>) -> Self {
+    pub fn virtual_clock(run: &'d mut dyn UnitDevice, unit: &ServingUnit) -> Self {
         Self::new(
             Gpu::Virtual {
                 run,
@@ -268,18 +268,18 @@ impl<'d> GpuEnv<'d> {
     }
 
     /// On the wall clock, with the device on its thread (times from when it was ready).
-    pub fn wall_clock(device: WallDevice<String>, unit: &ServingUnit<'_>) -> Self {
+    pub fn wall_clock(device: WallDevice<String>, unit: &ServingUnit) -> Self {
         Self::new(Gpu::Wall(device), unit, ClockKind::Wall)
     }
 
-    fn new(gpu: Gpu<'d>, unit: &ServingUnit<'_>, clock: ClockKind) -> Self {
+    fn new(gpu: Gpu<'d>, unit: &ServingUnit, clock: ClockKind) -> Self {
         let mut env = GpuEnv {
             gpu,
             schedule: BTreeMap::new(),
             seq: 0,
             last: Nanos::ZERO,
-            requests: unit.requests().len(),
-            arrivals_done: unit.requests().is_empty(),
+            requests: unit.requests_given() as usize,
+            arrivals_done: unit.requests_given() == 0,
             series_interval: unit.config().series_interval,
             open: VecDeque::new(),
             handoffs_open: BTreeMap::new(),
@@ -288,7 +288,7 @@ impl<'d> GpuEnv<'d> {
             finished: BTreeSet::new(),
             run: RunOutcome::empty(clock),
         };
-        if let Some(r) = unit.requests().first() {
+        if let Some(r) = unit.request(0) {
             env.push(r.arrival, Input::Arrival(0));
             env.push(env.series_interval, Input::Tick);
         }
@@ -329,13 +329,16 @@ impl<'d> GpuEnv<'d> {
         &mut self,
         t: Nanos,
         input: Input,
-        unit: &ServingUnit<'_>,
+        unit: &ServingUnit,
     ) -> Result<Option<Input>, RunError> {
         match input {
             Input::Arrival(i) => {
                 let next = i as usize + 1;
                 if next < self.requests {
-                    self.push(unit.requests()[next].arrival, Input::Arrival(next as u32));
+                    let r = unit.request(next as u32).ok_or_else(|| {
+                        RunError::Invariant(format!("request {next} is not held before it arrives"))
+                    })?;
+                    self.push(r.arrival, Input::Arrival(next as u32));
                 } else {
                     self.arrivals_done = true;
                 }
@@ -363,8 +366,9 @@ impl<'d> GpuEnv<'d> {
 
     /// The group the unit's decode balancer picks for request `i` now (`advance`: as the unit
     /// does on `HandoffDone`; otherwise a prediction that leaves the balancer as it is).
-    fn pick_group(&mut self, i: u32, unit: &ServingUnit<'_>, advance: bool) -> u32 {
-        let ctx = u64::from(unit.requests()[i as usize].context_tokens());
+    fn pick_group(&mut self, i: u32, unit: &ServingUnit, advance: bool) -> u32 {
+        // The unit holds a request from before its arrival until after it ends.
+        let ctx = unit.request(i).map_or(0, |r| u64::from(r.context_tokens()));
         let groups = unit.decode_pool().groups();
         let g = if advance {
             self.mirror.pick(groups, ctx).0
@@ -375,7 +379,7 @@ impl<'d> GpuEnv<'d> {
     }
 
     /// `HandoffDone(i)` is about to be fed at `t`: the handoff's end and the unit's pick.
-    fn handoff_fed(&mut self, t: Nanos, i: u32, unit: &ServingUnit<'_>) {
+    fn handoff_fed(&mut self, t: Nanos, i: u32, unit: &ServingUnit) {
         let picked = self.pick_group(i, unit, true);
         if let Some(k) = self.handoffs_open.remove(&i) {
             let h = &mut self.run.handoffs[k];
@@ -392,7 +396,7 @@ impl<'d> GpuEnv<'d> {
         now: Nanos,
         i: u32,
         bytes: u64,
-        unit: &ServingUnit<'_>,
+        unit: &ServingUnit,
     ) -> Result<(), RunError> {
         let job = HandoffJob {
             request: i,
@@ -512,10 +516,7 @@ impl<'d> GpuEnv<'d> {
         (t, input)
     }
 
-    fn next_virtual(
-        &mut self,
-        unit: &mut ServingUnit<'_>,
-    ) -> Result<Option<(Nanos, Input)>, RunError> {
+    fn next_virtual(&mut self, unit: &mut ServingUnit) -> Result<Option<(Nanos, Input)>, RunError> {
         while let Some((t, input)) = self.pop_due(None) {
             if let Input::StepDone(d) = input {
                 let k = self.step_done(d, t)?;
@@ -528,10 +529,7 @@ impl<'d> GpuEnv<'d> {
         Ok(None)
     }
 
-    fn next_wall(
-        &mut self,
-        unit: &mut ServingUnit<'_>,
-    ) -> Result<Option<(Nanos, Input)>, RunError> {
+    fn next_wall(&mut self, unit: &mut ServingUnit) -> Result<Option<(Nanos, Input)>, RunError> {
         loop {
             let Gpu::Wall(dev) = &mut self.gpu else {
                 unreachable!("wall clock")
@@ -589,7 +587,7 @@ impl<'d> GpuEnv<'d> {
         &mut self,
         device: DeviceId,
         start: Nanos,
-        unit: &mut ServingUnit<'_>,
+        unit: &mut ServingUnit,
     ) -> Result<(), RunError> {
         let k = self.run.steps.len();
         let (plan, report) = unit.launch_mut(device);
@@ -637,12 +635,12 @@ impl<'d> GpuEnv<'d> {
     }
 }
 
-fn report_of<'u>(unit: &'u mut ServingUnit<'_>, device: DeviceId) -> &'u StepReport {
+fn report_of(unit: &mut ServingUnit, device: DeviceId) -> &StepReport {
     unit.launch_mut(device).1
 }
 
 impl Environment for GpuEnv<'_> {
-    fn next(&mut self, unit: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError> {
+    fn next(&mut self, unit: &mut ServingUnit) -> Result<Option<(Nanos, Input)>, RunError> {
         let next = match self.gpu {
             Gpu::Virtual { .. } => self.next_virtual(unit)?,
             Gpu::Wall(_) => self.next_wall(unit)?,
@@ -661,7 +659,7 @@ impl Environment for GpuEnv<'_> {
         &mut self,
         now: Nanos,
         output: Output,
-        unit: &mut ServingUnit<'_>,
+        unit: &mut ServingUnit,
         _shared: &SharedCache,
     ) -> Result<(), RunError> {
         match output {
@@ -750,7 +748,7 @@ impl<'r> ReplayEnv<'r> {
 }
 
 impl Environment for ReplayEnv<'_> {
-    fn next(&mut self, unit: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError> {
+    fn next(&mut self, unit: &mut ServingUnit) -> Result<Option<(Nanos, Input)>, RunError> {
         let Some(l) = self.record.inputs.get(self.next_input) else {
             return Ok(None);
         };
@@ -784,7 +782,7 @@ impl Environment for ReplayEnv<'_> {
         &mut self,
         now: Nanos,
         output: Output,
-        unit: &mut ServingUnit<'_>,
+        unit: &mut ServingUnit,
         _shared: &SharedCache,
     ) -> Result<(), RunError> {
         let (device, start) = match output {

@@ -202,13 +202,13 @@ fn check_cluster(
 }
 
 /// One unit of the cluster, on its own seed, over its routed requests.
-fn member<'a>(
+fn member(
     s: &ServiceConfig,
     profile: &HardwareProfile,
-    reqs: &'a [Request],
+    reqs: &[Request],
     unit_seed: u64,
     shared: &mut SharedCache,
-) -> Result<Member<'a, VirtualEnv>, ServiceError> {
+) -> Result<Member<VirtualEnv>, ServiceError> {
     let mut unit = ServingUnit::new(s.unit_config(profile), reqs)?;
     unit.set_fetch_stripes(s.fetch.stripes as usize);
     shared.store.reserve(unit.store_objects_bound());
@@ -227,7 +227,7 @@ fn member<'a>(
 /// Each unit's report, each unit reading the store the run left (and its own SWA cache).
 fn report(
     units: &[UnitSize],
-    members: Vec<Member<'_, VirtualEnv>>,
+    members: Vec<Member<VirtualEnv>>,
     mut shared: SharedCache,
 ) -> Result<ClusterReport, ServiceError> {
     let mut reports = Vec::with_capacity(members.len());

@@ -10,8 +10,8 @@
 
 use crate::acceptance::AcceptanceModel;
 use crate::cost::{CostModel, SwapIn};
-use crate::env::VirtualEnv;
 use crate::env::faults::{FaultsConfig, UnitShape};
+use crate::env::{RequestFeed, VirtualEnv};
 use crate::profile::{HardwareProfile, ProfileFiles};
 use serde::{Deserialize, Serialize};
 use servelab_core::eplb::ExpertLoadConfig;
@@ -401,7 +401,39 @@ pub fn run_observed<O: Observer>(
         )
         .into());
     }
-    let mut unit = ServingUnit::new(cfg.unit_config(&profile), requests)?;
+    let unit = ServingUnit::new(cfg.unit_config(&profile), requests)?;
+    serve(cfg, profile, unit, seed, observer, |backend| {
+        VirtualEnv::new(cfg, backend, requests, seed)
+    })
+}
+
+/// Runs the unit over the requests of `feed` (sorted by arrival; open loop), read as the run
+/// goes: the unit and its environment hold the requests in flight, not the trace. The
+/// arrivals end by `last_arrival` (the steady-state window ends there at the latest).
+pub fn run_streamed<O: Observer>(
+    cfg: &ServiceConfig,
+    profile: HardwareProfile,
+    feed: RequestFeed,
+    last_arrival: Nanos,
+    seed: u64,
+    observer: &mut O,
+) -> Result<ServiceReport, ServiceError> {
+    cfg.validate_environment()?;
+    let unit = ServingUnit::streaming(cfg.unit_config(&profile), last_arrival)?;
+    serve(cfg, profile, unit, seed, observer, |backend| {
+        VirtualEnv::streamed(cfg, backend, feed, seed)
+    })
+}
+
+/// Runs `unit` in the environment `make_env` builds around the cost model, to its report.
+fn serve<O: Observer>(
+    cfg: &ServiceConfig,
+    profile: HardwareProfile,
+    mut unit: ServingUnit,
+    seed: u64,
+    observer: &mut O,
+    make_env: impl FnOnce(CostModel) -> Result<VirtualEnv, ServiceError>,
+) -> Result<ServiceReport, ServiceError> {
     unit.set_fetch_stripes(cfg.fetch.stripes as usize);
     let mut shared = SharedCache::new(
         cfg.store.clone(),
@@ -418,7 +450,7 @@ pub fn run_observed<O: Observer>(
         cfg.swap_in,
         seed,
     );
-    let mut env = VirtualEnv::new(cfg, backend, requests, seed)?;
+    let mut env = make_env(backend)?;
     servelab_core::unit::run(&mut unit, &mut shared, &mut env, observer)?;
     let mut report = unit.finish(&shared, env.now(), env.events())?;
     report.moe_reassignments = env.moe().reassignments;

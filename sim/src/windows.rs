@@ -33,15 +33,15 @@ use std::time::{Duration, Instant};
 
 /// A unit with the caches it reaches in a window: its view of the store, its own SWA state
 /// cache and perfect cache.
-struct Windowed<'a> {
-    unit: ServingUnit<'a>,
+struct Windowed {
+    unit: ServingUnit,
     env: VirtualEnv,
     cache: SharedCache,
 }
 
-impl<'a> Windowed<'a> {
+impl Windowed {
     /// The member with its SWA cache moved into a window cache of its own.
-    fn new(m: Member<'a, VirtualEnv>) -> Self {
+    fn new(m: Member<VirtualEnv>) -> Self {
         Windowed {
             unit: m.unit,
             env: m.env,
@@ -54,7 +54,7 @@ impl<'a> Windowed<'a> {
     }
 
     /// The member again, its SWA cache back in place.
-    fn into_member(self) -> Member<'a, VirtualEnv> {
+    fn into_member(self) -> Member<VirtualEnv> {
         Member {
             unit: self.unit,
             env: self.env,
@@ -91,12 +91,12 @@ impl<'a> Windowed<'a> {
 
 /// Runs `members` over `store` in windows of `how.window` on `how.threads` threads; returns
 /// the members and the store the run left. Each member's SWA cache is its own throughout.
-pub(crate) fn run<'a>(
-    members: Vec<Member<'a, VirtualEnv>>,
+pub(crate) fn run(
+    members: Vec<Member<VirtualEnv>>,
     store: KvStore,
     how: ClusterRun,
-) -> Result<(Vec<Member<'a, VirtualEnv>>, KvStore), ServiceError> {
-    let units: Vec<Mutex<Windowed<'a>>> = members
+) -> Result<(Vec<Member<VirtualEnv>>, KvStore), ServiceError> {
+    let units: Vec<Mutex<Windowed>> = members
         .into_iter()
         .map(|m| Mutex::new(Windowed::new(m)))
         .collect();
@@ -173,7 +173,7 @@ impl Crew {
     }
 
     /// Runs worker `worker`'s units to `end` (worker 0's from the calling thread).
-    fn run_share(&self, worker: usize, units: &[Mutex<Windowed<'_>>], end: Nanos) {
+    fn run_share(&self, worker: usize, units: &[Mutex<Windowed>], end: Nanos) {
         for u in units.iter().skip(worker).step_by(self.threads) {
             // A panic on a worker would leave the others waiting for it: it becomes the
             // window's error instead.
@@ -194,7 +194,7 @@ impl Crew {
 
     /// Runs one window: worker 0's share here, the others' on their threads; returns when all
     /// are done, with the first error any unit returned.
-    fn window(&self, units: &[Mutex<Windowed<'_>>], end: Nanos) -> Result<(), RunError> {
+    fn window(&self, units: &[Mutex<Windowed>], end: Nanos) -> Result<(), RunError> {
         self.finished.store(0, Ordering::Relaxed);
         self.end.store(end.0, Ordering::Relaxed);
         self.generation.fetch_add(1, Ordering::Release);
@@ -205,7 +205,7 @@ impl Crew {
     }
 
     /// A worker's loop: each window, its units; until [`Crew::stop`].
-    fn work(&self, worker: usize, units: &[Mutex<Windowed<'_>>]) {
+    fn work(&self, worker: usize, units: &[Mutex<Windowed>]) {
         let mut seen = 0;
         loop {
             wait_until(|| self.generation.load(Ordering::Acquire) != seen);
@@ -263,7 +263,7 @@ fn wait_until(done: impl Fn() -> bool) {
 const SPIN: Duration = Duration::from_micros(50);
 
 fn run_windows(
-    units: &[Mutex<Windowed<'_>>],
+    units: &[Mutex<Windowed>],
     mut store: KvStore,
     w: u64,
     crew: &Crew,

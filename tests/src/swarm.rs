@@ -387,7 +387,7 @@ impl Part for ComputeFaults {
 }
 
 /// An invariant of another part of the system, checked between events.
-pub type ExtraCheck = Box<dyn FnMut(&ServingUnit<'_>, &SharedCache) -> Result<(), String>>;
+pub type ExtraCheck = Box<dyn FnMut(&ServingUnit, &SharedCache) -> Result<(), String>>;
 
 /// Checks the invariants after every event; the first violation is kept.
 pub struct Checker {
@@ -485,7 +485,7 @@ impl Checker {
     }
 
     /// The state between two events.
-    pub fn between_events(&mut self, now: Nanos, unit: &ServingUnit<'_>, sh: &SharedCache) {
+    pub fn between_events(&mut self, now: Nanos, unit: &ServingUnit, sh: &SharedCache) {
         if unit.pending() != self.pending || unit.arrived() != self.arrived {
             let what = format!(
                 "the unit counts {} arrived / {} pending, the outputs {} / {}",
@@ -586,7 +586,7 @@ impl Observer for Checker {
             self.arrival(now, i);
         }
     }
-    fn on_output(&mut self, now: Nanos, output: &Output, _unit: &ServingUnit<'_>) {
+    fn on_output(&mut self, now: Nanos, output: &Output, _unit: &ServingUnit) {
         match *output {
             Output::Finished { request, .. } => self.ended(now, request),
             Output::Fetch {
@@ -597,7 +597,7 @@ impl Observer for Checker {
             _ => {}
         }
     }
-    fn after_input(&mut self, now: Nanos, unit: &ServingUnit<'_>, sh: &SharedCache) {
+    fn after_input(&mut self, now: Nanos, unit: &ServingUnit, sh: &SharedCache) {
         self.between_events(now, unit, sh);
     }
 }

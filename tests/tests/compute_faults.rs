@@ -51,14 +51,14 @@ impl Toy {
 }
 
 impl Environment for Toy {
-    fn next(&mut self, _: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError> {
+    fn next(&mut self, _: &mut ServingUnit) -> Result<Option<(Nanos, Input)>, RunError> {
         Ok(self.queue.pop_first().map(|((t, _), i)| (t, i)))
     }
     fn apply(
         &mut self,
         now: Nanos,
         output: Output,
-        unit: &mut ServingUnit<'_>,
+        unit: &mut ServingUnit,
         _: &SharedCache,
     ) -> Result<(), RunError> {
         match output {

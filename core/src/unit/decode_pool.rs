@@ -11,6 +11,7 @@ use crate::time::Nanos;
 use crate::unit::config::UnitConfig;
 use crate::unit::histogram::Histogram;
 use crate::unit::state::RequestState;
+use crate::unit::table::Window;
 
 /// A running decode sequence's emission state, kept beside its slot (a dense array walked in
 /// plan order) rather than in the request table (a cache miss per sequence-step); written back
@@ -41,7 +42,7 @@ struct Emissions<'s> {
     now: Nanos,
     warmup: Nanos,
     until: Option<Nanos>,
-    state: &'s mut [RequestState],
+    state: &'s mut Window<RequestState>,
     side: &'s mut [SeqTrack],
     gaps: &'s mut Histogram,
     finished: &'s mut Vec<u32>,
@@ -279,7 +280,7 @@ impl DecodePool {
 
     /// Takes every unfinished sequence out of group `g` (no step in flight), writing each
     /// one's emission state back to `state`, and drops any step planned ahead.
-    pub fn evict(&mut self, g: usize, state: &mut [RequestState], out: &mut Vec<Evicted>) {
+    pub fn evict(&mut self, g: usize, state: &mut Window<RequestState>, out: &mut Vec<Evicted>) {
         let d = &mut self.drivers[g];
         let from = out.len();
         self.groups[g].evict_all(out);
@@ -358,7 +359,7 @@ impl DecodePool {
         &mut self,
         now: Nanos,
         g: usize,
-        state: &mut [RequestState],
+        state: &mut Window<RequestState>,
         window: (Nanos, Option<Nanos>),
         gaps: &mut Histogram,
     ) -> (StepEmissions, Nanos) {

@@ -49,13 +49,13 @@ pub trait Environment {
     /// over. An environment whose device finished a step writes its report into the unit's
     /// buffer ([`ServingUnit::launch_mut`]) before returning [`Input::StepDone`]. An environment whose only remaining events cannot serve the unit's pending
     /// requests returns [`RunError::Stuck`].
-    fn next(&mut self, unit: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError>;
+    fn next(&mut self, unit: &mut ServingUnit) -> Result<Option<(Nanos, Input)>, RunError>;
     /// Carries out `output`, emitted at `now`.
     fn apply(
         &mut self,
         now: Nanos,
         output: Output,
-        unit: &mut ServingUnit<'_>,
+        unit: &mut ServingUnit,
         shared: &SharedCache,
     ) -> Result<(), RunError>;
     /// Applies what changed outside the unit by `now` to the caches (storage nodes that failed
@@ -72,11 +72,11 @@ pub trait Observer {
     #[inline]
     fn on_input(&mut self, _now: Nanos, _input: &Input) {}
     #[inline]
-    fn on_output(&mut self, _now: Nanos, _output: &Output, _unit: &ServingUnit<'_>) {}
+    fn on_output(&mut self, _now: Nanos, _output: &Output, _unit: &ServingUnit) {}
     /// After the input at `now` and every output it gave were carried out: the unit and the
     /// caches between two events (where invariant checkers look).
     #[inline]
-    fn after_input(&mut self, _now: Nanos, _unit: &ServingUnit<'_>, _shared: &SharedCache) {}
+    fn after_input(&mut self, _now: Nanos, _unit: &ServingUnit, _shared: &SharedCache) {}
 }
 
 /// Observes nothing.
@@ -93,7 +93,7 @@ pub struct RunEnd {
 
 /// Runs `unit` in `env` until the environment has no more inputs.
 pub fn run<E: Environment, O: Observer>(
-    unit: &mut ServingUnit<'_>,
+    unit: &mut ServingUnit,
     shared: &mut SharedCache,
     env: &mut E,
     observer: &mut O,
@@ -115,7 +115,7 @@ pub fn run<E: Environment, O: Observer>(
 /// carried out. The one step of [`run`] and [`run_cluster`], and of the parallel cluster
 /// driver (`servelab_sim::cluster`).
 pub fn step<E: Environment, O: Observer>(
-    unit: &mut ServingUnit<'_>,
+    unit: &mut ServingUnit,
     shared: &mut SharedCache,
     env: &mut E,
     observer: &mut O,
@@ -140,8 +140,8 @@ pub trait Lookahead {
 
 /// One serving unit of a cluster: the unit, its environment and its own SWA state cache (SPEC
 /// §5: one per unit); the KV store is the cluster's.
-pub struct Member<'a, E> {
-    pub unit: ServingUnit<'a>,
+pub struct Member<E> {
+    pub unit: ServingUnit,
     pub env: E,
     pub swa: crate::swa::SwaCache,
 }
@@ -151,7 +151,7 @@ pub struct Member<'a, E> {
 /// is deterministic and each unit sees the store as every earlier input of every unit left it.
 /// While a unit handles an input, its own SWA cache stands in `shared.swa`.
 pub fn run_cluster<E: Environment + Lookahead, O: Observer>(
-    members: &mut [Member<'_, E>],
+    members: &mut [Member<E>],
     shared: &mut SharedCache,
     observer: &mut O,
 ) -> Result<RunEnd, RunError> {

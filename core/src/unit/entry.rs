@@ -9,14 +9,17 @@
 //! last-access TTLs) is coalesced to once per `touch_coalesce` per session.
 
 use crate::consts::ServingConstants;
+use crate::content::ContentChain;
 use crate::content::{BlockKey, KeyBuildHasher, hash2, prefetch_read};
 use crate::engine::PrefillJob;
 use crate::hit::{HitDecision, HitInputs, HitPolicy, SwaSource};
 use crate::ids::{MachineId, RequestId, SessionId};
-use crate::request::{Request, TrafficClass};
+use crate::request::Request;
 use crate::time::Nanos;
 use crate::unit::shared::SharedCache;
+use crate::unit::table::Window;
 use std::collections::HashMap;
+use std::sync::{Arc, Weak};
 
 /// Tags an SWA-state object in the store (SWA-on-SSD) apart from the block with that key.
 const SWA_OBJECT_TAG: u64 = 0x53a5_7a7e;
@@ -29,8 +32,9 @@ pub fn swa_object_key(key: BlockKey) -> BlockKey {
 
 #[derive(Clone, Copy, Debug)]
 struct Memo {
-    /// The chain the memo is about ([`ReqIx::chain`]); [`Memo::NONE`]'s matches none.
-    chain: u32,
+    /// The address of the chain the memo is about ([`Slot::chain`]); [`Memo::NONE`]'s, 0,
+    /// matches none.
+    chain: usize,
     blocks: u32,
     generation: u64,
     touched_at: Nanos,
@@ -39,20 +43,26 @@ struct Memo {
 impl Memo {
     /// A session not seen yet: no chain matches it.
     const NONE: Memo = Memo {
-        chain: u32::MAX,
+        chain: 0,
         blocks: 0,
         generation: 0,
         touched_at: Nanos::ZERO,
     };
 }
 
-/// A request's session and content chain as dense numbers (in order of first appearance).
-#[derive(Clone, Copy, Debug)]
-struct ReqIx {
+/// What the entrypoint holds of a request while the unit holds it.
+#[derive(Clone, Debug)]
+struct Slot {
     /// Index into the memos, or [`NO_SESSION`].
     session: u32,
-    /// Index into the chains' keys.
-    chain: u32,
+    /// The address of the request's chain: chains are shared by address, and a memo keeps
+    /// its chain allocated ([`Entrypoint::memo_chain`]), so no other chain takes the address
+    /// while a memo names it.
+    chain: usize,
+    /// Every full-block key of the chain. Read through this, a chain's keys are one load
+    /// away: through the request's `Arc`, its header (scattered over hundreds of MB of trace)
+    /// comes first, a cache and TLB miss at every event.
+    keys: Arc<[BlockKey]>,
 }
 
 /// No session (a request outside any session).
@@ -69,6 +79,37 @@ pub fn key_at(keys: &[BlockKey], r: &Request, block_tokens: u32, pos: u32) -> Op
     } else {
         r.key_at(pos)
     }
+}
+
+/// The keys of the full blocks inside the first `tokens` tokens, of a chain whose keys are
+/// `keys`.
+#[inline]
+fn within(keys: &[BlockKey], block_tokens: u32, tokens: u32) -> &[BlockKey] {
+    &keys[..((tokens / block_tokens) as usize).min(keys.len())]
+}
+
+/// At most how many objects a run over `reqs` writes to the store: the full blocks of every
+/// distinct chain up to its longest context (a prefix shared by several chains counts once
+/// per chain), plus two SWA objects per request (after prefill and after decode) when SWA
+/// state lives in the store.
+pub fn blocks_written_bound(reqs: &[Request], block_tokens: u32, policy: HitPolicy) -> usize {
+    // Chains are shared by address; the slice keeps every one of them alive.
+    let mut upto: HashMap<usize, (u32, usize), KeyBuildHasher> = HashMap::default();
+    for r in reqs {
+        let e = upto
+            .entry(Arc::as_ptr(&r.content) as usize)
+            .or_insert((0, 0));
+        e.0 = e.0.max(r.context_tokens());
+        e.1 = r.content.full_blocks(u32::MAX).len();
+    }
+    let mut blocks: usize = upto
+        .values()
+        .map(|&(t, keys)| ((t / block_tokens) as usize).min(keys))
+        .sum();
+    if policy.swa_source() == SwaSource::BlockStore {
+        blocks += 2 * reqs.len();
+    }
+    blocks
 }
 
 /// Asks the CPU to start loading the last four cache lines of `keys`: a caller that will look
@@ -95,113 +136,87 @@ pub struct Admission {
     pub job: PrefillJob,
 }
 
-pub struct Entrypoint<'a> {
+pub struct Entrypoint {
     constants: ServingConstants,
     policy: HitPolicy,
     touch_coalesce: Nanos,
+    /// Session ids are arbitrary integers (imported traces): numbered densely, in order of
+    /// first appearance.
+    sessions: HashMap<SessionId, u32, KeyBuildHasher>,
     /// Per session, by dense session number: a direct index rather than a hash map keyed by
     /// session id (two cache misses per look-up in a map of tens of thousands of sessions).
     memo: Vec<Memo>,
-    /// Per request.
-    ix: Vec<ReqIx>,
-    /// Every full-block key of each chain (by [`ReqIx::chain`]). Read through these slices,
-    /// a chain's keys are one load away: through the request's `Arc`, its header (scattered
-    /// over hundreds of MB of trace) comes first, a cache and TLB miss at every event.
-    chain_keys: Vec<&'a [BlockKey]>,
-    /// The longest context each chain is read to.
-    chain_upto: Vec<u32>,
+    /// Per session, the chain its memo names, kept allocated (not its keys: a weak count
+    /// keeps only the chain's header), so that its address names no other chain later.
+    memo_chain: Vec<Weak<ContentChain>>,
+    /// Per request held, by the unit's request number.
+    slots: Window<Slot>,
     pub full_lookups: u64,
     pub memo_lookups: u64,
 }
 
-impl<'a> Entrypoint<'a> {
-    pub fn new(
-        constants: ServingConstants,
-        policy: HitPolicy,
-        touch_coalesce: Nanos,
-        reqs: &'a [Request],
-    ) -> Self {
-        // Session ids are arbitrary integers (imported traces) and chains are shared by
-        // address: both numbered densely, in order of first appearance, once.
-        let mut sessions: HashMap<SessionId, u32, KeyBuildHasher> = HashMap::default();
-        let mut chains: HashMap<usize, u32, KeyBuildHasher> = HashMap::default();
-        let mut chain_keys: Vec<&'a [BlockKey]> = Vec::new();
-        let mut chain_upto: Vec<u32> = Vec::new();
-        let ix: Vec<ReqIx> = reqs
-            .iter()
-            .map(|r| {
-                let session = match r.session {
-                    Some(s) => {
-                        let next = sessions.len() as u32;
-                        *sessions.entry(s).or_insert(next)
-                    }
-                    None => NO_SESSION,
-                };
-                let next = chains.len() as u32;
-                let chain = *chains
-                    .entry(std::sync::Arc::as_ptr(&r.content) as usize)
-                    .or_insert(next);
-                if chain == next {
-                    chain_keys.push(r.content.full_blocks(u32::MAX));
-                    chain_upto.push(0);
-                }
-                let upto = &mut chain_upto[chain as usize];
-                *upto = (*upto).max(r.context_tokens());
-                ReqIx { session, chain }
-            })
-            .collect();
+impl Entrypoint {
+    pub fn new(constants: ServingConstants, policy: HitPolicy, touch_coalesce: Nanos) -> Self {
         Entrypoint {
             constants,
             policy,
             touch_coalesce,
-            memo: vec![Memo::NONE; sessions.len()],
-            ix,
-            chain_keys,
-            chain_upto,
+            sessions: HashMap::default(),
+            memo: Vec::new(),
+            memo_chain: Vec::new(),
+            slots: Window::default(),
             full_lookups: 0,
             memo_lookups: 0,
         }
+    }
+
+    /// Takes request `r` as the unit's next request (the unit's number for it is returned).
+    pub fn push(&mut self, r: &Request) -> usize {
+        let session = match r.session {
+            Some(s) => {
+                let next = self.sessions.len() as u32;
+                let n = *self.sessions.entry(s).or_insert(next);
+                if n == next {
+                    self.memo.push(Memo::NONE);
+                    self.memo_chain.push(Weak::new());
+                }
+                n
+            }
+            None => NO_SESSION,
+        };
+        self.slots.push(Slot {
+            session,
+            chain: Arc::as_ptr(&r.content) as usize,
+            keys: r.content.shared_blocks(),
+        })
+    }
+
+    /// Drops the oldest request held (the unit forgets it).
+    pub fn forget_front(&mut self) {
+        self.slots.pop_front();
     }
 
     pub fn policy(&self) -> HitPolicy {
         self.policy
     }
 
-    /// At most how many objects a run over the requests writes to the store: the full blocks
-    /// of every distinct chain up to its longest context (a prefix shared by several chains
-    /// counts once per chain), plus two SWA objects per request (after prefill and after
-    /// decode) when SWA state lives in the store.
-    pub fn blocks_written_bound(&self) -> usize {
-        let bs = self.constants.block_tokens;
-        let mut blocks: usize = self
-            .chain_keys
-            .iter()
-            .zip(&self.chain_upto)
-            .map(|(keys, &t)| ((t / bs) as usize).min(keys.len()))
-            .sum();
-        if self.policy.swa_source() == SwaSource::BlockStore {
-            blocks += 2 * self.ix.len();
-        }
-        blocks
-    }
-
     /// Every full-block key of request `i`'s chain.
     #[inline]
-    pub fn keys(&self, i: usize) -> &'a [BlockKey] {
-        self.chain_keys[self.ix[i].chain as usize]
+    pub fn keys(&self, i: usize) -> &[BlockKey] {
+        &self.slots[i].keys
     }
 
     /// Keys of the full blocks inside the first `tokens` tokens of request `i`'s chain.
     #[inline]
-    pub fn blocks_within(&self, i: usize, tokens: u32) -> &'a [BlockKey] {
-        let keys = self.keys(i);
-        &keys[..((tokens / self.constants.block_tokens) as usize).min(keys.len())]
+    pub fn blocks_within(&self, i: usize, tokens: u32) -> &[BlockKey] {
+        within(self.keys(i), self.constants.block_tokens, tokens)
     }
 
     /// Leading full blocks of the prompt present in the store.
     fn cached_blocks(&mut self, now: Nanos, i: usize, r: &Request, sh: &mut SharedCache) -> u32 {
-        let blocks = self.blocks_within(i, r.prompt_tokens);
-        let ReqIx { session: s, chain } = self.ix[i];
+        let slot = &self.slots[i];
+        let blocks = within(&slot.keys, self.constants.block_tokens, r.prompt_tokens);
+        let (s, chain) = (slot.session, slot.chain);
         sh.store.advance(now);
         let generation = sh.generation();
         let start = match self.memo.get(s as usize) {
@@ -218,6 +233,7 @@ impl<'a> Entrypoint<'a> {
         if let Some(m) = self.memo.get_mut(s as usize) {
             if m.chain != chain {
                 m.touched_at = Nanos::ZERO;
+                self.memo_chain[s as usize] = Arc::downgrade(&r.content);
             }
             m.chain = chain;
             m.blocks = b as u32;
@@ -229,7 +245,7 @@ impl<'a> Entrypoint<'a> {
     /// Where request `i`'s prefix look-up will start, by its session's memo now (a hint for
     /// prefetching: the store may change before it arrives).
     fn lookup_start_hint(&self, i: usize) -> usize {
-        let ReqIx { session, chain } = self.ix[i];
+        let Slot { session, chain, .. } = self.slots[i];
         match self.memo.get(session as usize) {
             Some(m) if m.chain == chain => m.blocks as usize,
             _ => 0,
@@ -306,19 +322,19 @@ impl<'a> Entrypoint<'a> {
         }
     }
 
-    /// Writes (or touches) the blocks `[0, upto)` of request `i`'s chain; with a valid memo
-    /// only the new ones, re-touching the reused run at most once per `touch_coalesce`.
+    /// Writes (or touches) the blocks `[0, upto)` of request `i` (`r`)'s chain; with a valid
+    /// memo only the new ones, re-touching the reused run at most once per `touch_coalesce`.
     pub fn write_blocks(
         &mut self,
         now: Nanos,
         i: usize,
+        r: &Request,
         upto_tokens: u32,
-        class: TrafficClass,
         sh: &mut SharedCache,
     ) {
-        let all = self.blocks_within(i, upto_tokens);
-        let ReqIx { session, chain } = self.ix[i];
-        let s = session as usize;
+        let slot = &self.slots[i];
+        let all = within(&slot.keys, self.constants.block_tokens, upto_tokens);
+        let (s, chain) = (slot.session as usize, slot.chain);
         sh.store.advance(now);
         let before = sh.generation();
         let memo = self.memo.get(s).copied();
@@ -332,12 +348,15 @@ impl<'a> Entrypoint<'a> {
             }
             _ => 0,
         };
-        sh.store.touch_or_insert(now, &all[start..], class);
+        sh.store.touch_or_insert(now, &all[start..], r.class);
         let after = sh.generation();
         if let Some(m) = self.memo.get_mut(s) {
             // (A session's first write finds no memo of its chain: start is 0.)
             if start == 0 {
                 m.touched_at = now;
+            }
+            if m.chain != chain {
+                self.memo_chain[s] = Arc::downgrade(&r.content);
             }
             m.chain = chain;
             // Removals during the write may have taken our own blocks: trust nothing then.
@@ -422,7 +441,7 @@ impl<'a> Entrypoint<'a> {
         let blocks = self.blocks_within(i, prompt_tokens);
         if !near {
             prefetch_tail(blocks);
-            if let Some(m) = self.memo.get(self.ix[i].session as usize) {
+            if let Some(m) = self.memo.get(self.slots[i].session as usize) {
                 prefetch_read(m);
             }
             return;

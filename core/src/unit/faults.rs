@@ -85,7 +85,7 @@ impl FaultState {
     }
 }
 
-impl ServingUnit<'_> {
+impl ServingUnit {
     /// Decode group `g` is told to shut down.
     pub(crate) fn drain(&mut self, now: Nanos, g: usize, out: &mut Vec<Output>) {
         if g >= self.faults.alive.len() || self.decode.status(g) != GroupStatus::Up {
@@ -235,7 +235,7 @@ impl ServingUnit<'_> {
     }
 }
 
-impl ServingUnit<'_> {
+impl ServingUnit {
     /// A device failed at `now`.
     pub(crate) fn fault(
         &mut self,

@@ -25,6 +25,7 @@ pub mod report;
 pub mod scaling;
 pub mod shared;
 pub mod state;
+pub mod table;
 
 pub use autoscale::{AutoscaleConfig, Bounds, ScalePolicy};
 pub use config::{DecodePoolConfig, ElasticConfig, PrefillPoolConfig, SurvivorPolicy, UnitConfig};
@@ -49,12 +50,14 @@ use faults::FaultState;
 use metrics::{FinalState, UnitMetrics};
 use prefill_pool::{Placed, PrefillPool};
 use state::{RequestState, Status};
+use table::Window;
 
-pub struct ServingUnit<'a> {
+pub struct ServingUnit {
     cfg: UnitConfig,
-    reqs: &'a [Request],
-    state: Vec<RequestState>,
-    entry: Entrypoint<'a>,
+    /// The requests held ([`table`]): from the oldest that has not ended on.
+    reqs: Window<Request>,
+    state: Window<RequestState>,
+    entry: Entrypoint,
     prefill: PrefillPool,
     decode: DecodePool,
     metrics: UnitMetrics,
@@ -62,17 +65,64 @@ pub struct ServingUnit<'a> {
     arrived: u64,
     /// Stripes of a store fetch (only used to prefetch the keys the fetch will read).
     fetch_stripes: usize,
+    /// At most how many objects the run writes to the store, when the unit was given its
+    /// requests up front (0 otherwise).
+    objects_bound: usize,
     faults: FaultState,
     scaling: Option<scaling::Scaling>,
 }
 
-impl<'a> ServingUnit<'a> {
-    /// A unit serving `reqs` (its request table: inputs name requests by index). `reqs` must
-    /// be keyed at the unit's block size.
-    pub fn new(cfg: UnitConfig, reqs: &'a [Request]) -> Result<Self, ConfigError> {
+impl ServingUnit {
+    /// A unit serving `reqs` (its requests, numbered by their index: inputs name them so).
+    /// `reqs` must be keyed at the unit's block size.
+    pub fn new(cfg: UnitConfig, reqs: &[Request]) -> Result<Self, ConfigError> {
+        let last = reqs.iter().map(|r| r.arrival).max().unwrap_or(Nanos::ZERO);
+        let mut unit = Self::streaming(cfg, last)?;
+        unit.reqs = Window::with_capacity(reqs.len());
+        unit.state = Window::with_capacity(reqs.len());
+        for r in reqs {
+            unit.push_request(r.clone())?;
+        }
+        unit.objects_bound =
+            entry::blocks_written_bound(reqs, unit.cfg.constants.block_tokens, unit.cfg.hit_policy);
+        Ok(unit)
+    }
+
+    /// A unit given its requests one at a time ([`Self::push_request`]), by an environment
+    /// that reads them from a stream. `last_arrival` bounds the arrivals (the steady-state
+    /// window ends there or at `measure_until`, whichever is first).
+    pub fn streaming(cfg: UnitConfig, last_arrival: Nanos) -> Result<Self, ConfigError> {
         cfg.validate()?;
-        let bs = cfg.constants.block_tokens;
-        if let Some(r) = reqs.iter().find(|r| r.block_tokens() != bs) {
+        let mut unit = ServingUnit {
+            entry: Entrypoint::new(cfg.constants.clone(), cfg.hit_policy, cfg.touch_coalesce),
+            prefill: PrefillPool::new(&cfg.prefill, &cfg.prefill_cost)?,
+            faults: FaultState::new(
+                cfg.decode.groups,
+                cfg.decode.ranks,
+                cfg.decode.expert_imbalance,
+            ),
+            decode: DecodePool::new(&cfg)?,
+            metrics: UnitMetrics::new(&cfg, last_arrival),
+            state: Window::default(),
+            reqs: Window::default(),
+            pending: 0,
+            arrived: 0,
+            fetch_stripes: 8,
+            objects_bound: 0,
+            scaling: cfg.autoscale.clone().map(scaling::Scaling::new),
+            cfg,
+        };
+        unit.scale_to_initial();
+        Ok(unit)
+    }
+
+    /// Gives the unit its next request; returns the number inputs name it by. It must be
+    /// keyed at the unit's block size. The environment gives a request before its
+    /// [`Input::Arrival`], and a couple ahead of it when it can (the unit prefetches what the
+    /// next arrivals will read).
+    pub fn push_request(&mut self, r: Request) -> Result<u32, ConfigError> {
+        let bs = self.cfg.constants.block_tokens;
+        if r.block_tokens() != bs {
             return Err(ConfigError::invalid(
                 "constants.block_tokens",
                 format!(
@@ -82,38 +132,29 @@ impl<'a> ServingUnit<'a> {
                 ),
             ));
         }
-        if reqs.len() >= u32::MAX as usize {
+        if self.reqs.end() >= u32::MAX as usize {
             return Err(ConfigError::invalid(
                 "workload",
-                "a unit serves fewer than 2^32 requests",
+                "a unit serves fewer than 2^32 - 1 requests",
             ));
         }
-        let last = reqs.iter().map(|r| r.arrival).max().unwrap_or(Nanos::ZERO);
-        let mut unit = ServingUnit {
-            entry: Entrypoint::new(
-                cfg.constants.clone(),
-                cfg.hit_policy,
-                cfg.touch_coalesce,
-                reqs,
-            ),
-            prefill: PrefillPool::new(&cfg.prefill, &cfg.prefill_cost)?,
-            faults: FaultState::new(
-                cfg.decode.groups,
-                cfg.decode.ranks,
-                cfg.decode.expert_imbalance,
-            ),
-            decode: DecodePool::new(&cfg)?,
-            metrics: UnitMetrics::new(&cfg, last),
-            state: vec![RequestState::NEW; reqs.len()],
-            reqs,
-            pending: 0,
-            arrived: 0,
-            fetch_stripes: 8,
-            scaling: cfg.autoscale.clone().map(scaling::Scaling::new),
-            cfg,
-        };
-        unit.scale_to_initial();
-        Ok(unit)
+        self.entry.push(&r);
+        self.state.push(RequestState::NEW);
+        Ok(self.reqs.push(r) as u32)
+    }
+
+    /// Forgets the oldest requests that have ended (and whose stale fetch answers are in),
+    /// so that what the unit holds follows the requests in flight. Called at the start of
+    /// each input, so that the environment may still read a request it was just told ended.
+    fn forget_ended(&mut self) {
+        while let Some(st) = self.state.front() {
+            if !matches!(st.status, Status::Done | Status::Rejected(_)) || st.stale_ready > 0 {
+                return;
+            }
+            self.state.pop_front();
+            self.reqs.pop_front();
+            self.entry.forget_front();
+        }
     }
 
     /// Sets how many stripes the environment's store fetch reads (a prefetching hint only).
@@ -124,8 +165,19 @@ impl<'a> ServingUnit<'a> {
     pub fn config(&self) -> &UnitConfig {
         &self.cfg
     }
-    pub fn requests(&self) -> &'a [Request] {
-        self.reqs
+    /// Request `i`, while the unit holds it: from when it was given until the input after
+    /// the one it ended in (and while later requests are still held: the unit forgets the
+    /// oldest first).
+    pub fn request(&self, i: u32) -> Option<&Request> {
+        self.reqs.get(i as usize)
+    }
+    /// How many requests the unit was given.
+    pub fn requests_given(&self) -> u32 {
+        self.reqs.end() as u32
+    }
+    /// How many requests the unit holds now (given and not forgotten).
+    pub fn requests_held(&self) -> usize {
+        self.reqs.held()
     }
     /// Requests arrived and not yet ended.
     pub fn pending(&self) -> u64 {
@@ -138,18 +190,18 @@ impl<'a> ServingUnit<'a> {
     pub fn pending_requests(&self, at_most: usize) -> Vec<u64> {
         self.state
             .iter()
-            .enumerate()
             .filter(|(_, s)| s.status == Status::Pending)
             .take(at_most)
             .map(|(i, _)| self.reqs[i].id.0)
             .collect()
     }
     /// An upper bound on the objects a run writes to the store (to reserve its table).
+    /// (0 when the requests are streamed: nothing is known of them up front).
     pub fn store_objects_bound(&self) -> usize {
-        self.entry.blocks_written_bound()
+        self.objects_bound
     }
     /// Keys of the full blocks inside the first `tokens` tokens of request `i`'s chain.
-    pub fn blocks_within(&self, i: usize, tokens: u32) -> &'a [crate::content::BlockKey] {
+    pub fn blocks_within(&self, i: usize, tokens: u32) -> &[crate::content::BlockKey] {
         self.entry.blocks_within(i, tokens)
     }
     /// The machine (numbered across the unit, prefill first) of prefill engine `e`.
@@ -179,6 +231,7 @@ impl<'a> ServingUnit<'a> {
         sh: &mut SharedCache,
         out: &mut Vec<Output>,
     ) {
+        self.forget_ended();
         match input {
             Input::Arrival(i) => self.arrival(now, i as usize, sh, out),
             Input::PrefixReady(i) => {
@@ -351,7 +404,7 @@ impl<'a> ServingUnit<'a> {
                 self.entry.prefetch_write(j, self.reqs[j].prompt_tokens, sh);
             }
             let i = job.request.0 as usize;
-            let r = &self.reqs[i];
+            let (prompt, output) = (self.reqs[i].prompt_tokens, self.reqs[i].output_tokens);
             if self.state[i].reprefill {
                 // Its KV is rebuilt; its first token and its blocks were out long ago.
                 self.state[i].reprefill = false;
@@ -369,18 +422,17 @@ impl<'a> ServingUnit<'a> {
             st.first_token = now;
             st.last_token = now;
             st.emitted = 1;
-            self.entry
-                .write_blocks(now, i, r.prompt_tokens, r.class, sh);
+            self.entry.write_blocks(now, i, &self.reqs[i], prompt, sh);
             // SWA state at the last 128-multiple of the prompt (SPEC §5).
-            self.store_swa(now, i, r.prompt_tokens, machine, sh);
-            if r.output_tokens <= 1 {
+            self.store_swa(now, i, prompt, machine, sh);
+            if output <= 1 {
                 self.complete(now, i, sh, out);
                 continue;
             }
             out.push(Output::Handoff {
                 request: i as u32,
                 machine,
-                bytes: u64::from(r.prompt_tokens) * kv_bytes + swa_bytes,
+                bytes: u64::from(prompt) * kv_bytes + swa_bytes,
             });
         }
         self.prefill.finished = done;
@@ -467,18 +519,17 @@ impl<'a> ServingUnit<'a> {
     }
 
     fn complete(&mut self, now: Nanos, i: usize, sh: &mut SharedCache, out: &mut Vec<Output>) {
-        let r = &self.reqs[i];
+        let (output, context) = (self.reqs[i].output_tokens, self.reqs[i].context_tokens());
         self.state[i].status = Status::Done;
         self.pending -= 1;
-        if r.output_tokens > 1 {
-            self.entry
-                .write_blocks(now, i, r.context_tokens(), r.class, sh);
+        if output > 1 {
+            self.entry.write_blocks(now, i, &self.reqs[i], context, sh);
             let group = self.state[i].decode_group as usize;
             let machine = self.cfg.prefill_machines()
                 + self.decode.first_rank_gpu(group) / self.cfg.decode.gpus_per_machine;
-            self.store_swa(now, i, r.context_tokens(), MachineId(machine), sh);
+            self.store_swa(now, i, context, MachineId(machine), sh);
         }
-        self.entry.record_output(r, sh);
+        self.entry.record_output(&self.reqs[i], sh);
         if let Some(s) = self.scaling.as_mut() {
             let st = &self.state[i];
             if st.emitted > 1 {
@@ -487,7 +538,8 @@ impl<'a> ServingUnit<'a> {
                 ));
             }
         }
-        self.metrics.on_complete(now, i, r, &self.state[i]);
+        self.metrics
+            .on_complete(now, i, &self.reqs[i], &self.state[i]);
         out.push(Output::Finished {
             request: i as u32,
             outcome: Outcome::Completed,
@@ -503,7 +555,7 @@ impl<'a> ServingUnit<'a> {
         events: u64,
     ) -> Result<ServiceReport, RunError> {
         let bad = |what: String| Err(RunError::Invariant(what));
-        if let Some(i) = self.state.iter().position(|s| s.status == Status::Pending) {
+        if let Some((i, _)) = self.state.iter().find(|(_, s)| s.status == Status::Pending) {
             return bad(format!(
                 "request {} neither completed nor rejected",
                 self.reqs[i].id

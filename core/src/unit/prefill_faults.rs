@@ -11,7 +11,7 @@ use crate::unit::io::{Output, Rejection};
 use crate::unit::prefill_pool::Placed;
 use crate::unit::shared::SharedCache;
 
-impl ServingUnit<'_> {
+impl ServingUnit {
     pub(crate) fn prefill_failed(
         &mut self,
         now: Nanos,

@@ -60,7 +60,7 @@ impl Scaling {
     }
 }
 
-impl ServingUnit<'_> {
+impl ServingUnit {
     /// Takes the pools down to their initial sizes (at construction).
     pub(crate) fn scale_to_initial(&mut self) {
         let Some(s) = &self.scaling else { return };

@@ -25,11 +25,15 @@ use crate::speed::Speed;
 use anyhow::{Result, anyhow, bail};
 use polars::prelude::*;
 use serde::Deserialize;
+use servelab_core::Nanos;
 use servelab_core::econ::{self, EconEstimate, EconParams, MeasuredDay, MeasuredRevenue, Prices};
 use servelab_core::seed::sub_seed;
-use servelab_sim::service::{ServiceConfig, ServiceReport, run as simulate};
-use servelab_workloads::generate::{WorkloadConfig, generate_sampled};
-use servelab_workloads::stream::SessionSample;
+use servelab_core::unit::drive::NoObserver;
+use servelab_sim::env::RequestFeed;
+use servelab_sim::profile::{HardwareProfile, ProfileFiles};
+use servelab_sim::service::{ServiceConfig, ServiceReport, run_streamed};
+use servelab_workloads::generate::WorkloadConfig;
+use servelab_workloads::stream::{SessionSample, Stream};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -242,9 +246,18 @@ fn run_point(cfg: &Config, cluster: &ServiceConfig, seed: u64, sample: u32) -> R
         one_in,
         seed: sub_seed(seed, &format!("cluster-day.sample.{sample}")),
     };
-    let trace = generate_sampled(&cfg.workload, seed, s.constants.block_tokens, Some(keep))?;
-    let rep = simulate(&s, &trace.requests, seed)?;
-    drop(trace);
+    let bs = s.constants.block_tokens;
+    let stream = || Stream::new(&cfg.workload, seed, bs, Some(keep));
+    // The steady-state window ends at the last arrival, as for a trace given whole; a first
+    // pass over the stream finds it (drawing the sample again costs a fraction of serving it,
+    // and holds none of it).
+    let last = last_arrival(stream()?)?;
+    let mut requests = stream()?;
+    let feed: RequestFeed = Box::new(std::iter::from_fn(move || {
+        requests.next_request().transpose()
+    }));
+    let profile = HardwareProfile::resolve(&s.profile)?;
+    let rep = run_streamed(&s, profile, feed, last, seed, &mut NoObserver)?;
     let mut p = Point {
         one_in,
         sample,
@@ -257,6 +270,15 @@ fn run_point(cfg: &Config, cluster: &ServiceConfig, seed: u64, sample: u32) -> R
     };
     p.hours = hours(&p);
     Ok(p)
+}
+
+/// The time of the stream's last request.
+fn last_arrival(mut stream: Stream) -> Result<Nanos> {
+    let mut last = Nanos::ZERO;
+    while let Some(r) = stream.next_request()? {
+        last = last.max(r.arrival);
+    }
+    Ok(last)
 }
 
 /// Per whole hour of arrivals, for the whole cluster (the last part-hour of arrivals and the

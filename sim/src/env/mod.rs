@@ -11,8 +11,9 @@ pub mod storage;
 
 use crate::cost::CostModel;
 use crate::events::EventQueue;
-use crate::service::{Placement, ServiceConfig};
+use crate::service::{Arrivals, Placement, ServiceConfig, ServiceError};
 use arrivals::ArrivalSource;
+pub use arrivals::RequestFeed;
 use links::Links;
 use moe::MoeSkew;
 use servelab_core::engine::Backend;
@@ -38,19 +39,51 @@ pub struct VirtualEnv {
 }
 
 impl VirtualEnv {
-    /// The environment of `cfg` for a unit serving `requests` (sorted by arrival).
+    /// The environment of `cfg` for a unit given `requests` whole (sorted by arrival).
     pub fn new(
         cfg: &ServiceConfig,
         backend: CostModel,
         requests: &[servelab_core::Request],
         seed: u64,
-    ) -> Result<Self, ConfigError> {
+    ) -> Result<Self, ServiceError> {
+        Self::with_arrivals(
+            cfg,
+            backend,
+            ArrivalSource::new(&cfg.arrivals, requests),
+            seed,
+        )
+    }
+
+    /// The environment of `cfg` for a unit given its requests as they are read from `feed`
+    /// (in arrival order; open loop only).
+    pub fn streamed(
+        cfg: &ServiceConfig,
+        backend: CostModel,
+        feed: RequestFeed,
+        seed: u64,
+    ) -> Result<Self, ServiceError> {
+        if !matches!(cfg.arrivals, Arrivals::OpenLoop) {
+            return Err(ConfigError::invalid(
+                "service.arrivals",
+                "a streamed workload runs open loop only (a closed-loop turn's time needs the \
+                 session's next turn, which the stream has not read yet)",
+            )
+            .into());
+        }
+        Self::with_arrivals(cfg, backend, ArrivalSource::streamed(feed), seed)
+    }
+
+    fn with_arrivals(
+        cfg: &ServiceConfig,
+        backend: CostModel,
+        mut arrivals: ArrivalSource,
+        seed: u64,
+    ) -> Result<Self, ServiceError> {
         let c = &cfg.constants;
         let prefill_machines = cfg.prefill.gpus.div_ceil(cfg.prefill.gpus_per_machine);
         let mut queue = EventQueue::new();
-        let mut arrivals = ArrivalSource::new(&cfg.arrivals, requests);
         // Arrivals are fed one at a time so the queue holds only what is in flight.
-        if let Some((t, i)) = arrivals.next_open(requests) {
+        if let Some((t, i)) = arrivals.next_open(None).map_err(ServiceError::Run)? {
             queue.push(t, Input::Arrival(i));
             queue.push(cfg.series_interval, Input::Tick);
         }
@@ -93,7 +126,7 @@ impl VirtualEnv {
         &mut self.storage
     }
 
-    fn launch(&mut self, device: DeviceId, start: Nanos, unit: &mut ServingUnit<'_>) {
+    fn launch(&mut self, device: DeviceId, start: Nanos, unit: &mut ServingUnit) {
         let (plan, report) = unit.launch_mut(device);
         let extra = self.moe.decorate(start, device, plan);
         let begin = self.one_gpu_free_at.map_or(start, |free| start.max(free));
@@ -115,14 +148,17 @@ impl VirtualEnv {
         now: Nanos,
         i: u32,
         tokens: u32,
-        unit: &ServingUnit<'_>,
+        unit: &ServingUnit,
         sh: &SharedCache,
-    ) -> Nanos {
+    ) -> Result<Nanos, RunError> {
         let bs = self.block_tokens;
         let keys = unit.blocks_within(i as usize, tokens.div_ceil(bs) * bs);
-        let fallback = BlockKey(unit.requests()[i as usize].id.0);
+        let r = unit
+            .request(i)
+            .ok_or_else(|| RunError::Invariant(format!("a fetch for request {i}, not held")))?;
+        let fallback = BlockKey(r.id.0);
         let bytes = u64::from(tokens) * self.kv_bytes_per_token;
-        self.storage.fetch(now, &sh.store, keys, fallback, bytes)
+        Ok(self.storage.fetch(now, &sh.store, keys, fallback, bytes))
     }
 }
 
@@ -133,13 +169,16 @@ impl servelab_core::unit::Lookahead for VirtualEnv {
 }
 
 impl Environment for VirtualEnv {
-    fn next(&mut self, unit: &mut ServingUnit<'_>) -> Result<Option<(Nanos, Input)>, RunError> {
+    fn next(&mut self, unit: &mut ServingUnit) -> Result<Option<(Nanos, Input)>, RunError> {
         let Some((now, input)) = self.queue.pop() else {
             return Ok(None);
         };
         match input {
-            Input::Arrival(i) if self.arrivals.is_open(i) => {
-                if let Some((at, next)) = self.arrivals.next_open(unit.requests()) {
+            Input::Arrival(i) => {
+                self.arrivals.give(i, unit)?;
+                if self.arrivals.is_open(i)
+                    && let Some((at, next)) = self.arrivals.next_open(Some(unit))?
+                {
                     self.queue.push(at, Input::Arrival(next));
                 }
             }
@@ -163,7 +202,7 @@ impl Environment for VirtualEnv {
         &mut self,
         now: Nanos,
         output: Output,
-        unit: &mut ServingUnit<'_>,
+        unit: &mut ServingUnit,
         sh: &SharedCache,
     ) -> Result<(), RunError> {
         match output {
@@ -176,7 +215,7 @@ impl Environment for VirtualEnv {
             } => {
                 let mut ready = now;
                 if reused_tokens > 0 {
-                    ready = ready.max(self.fetch(now, request, reused_tokens, unit, sh));
+                    ready = ready.max(self.fetch(now, request, reused_tokens, unit, sh)?);
                 }
                 if swa_pull {
                     ready = ready.max(now + self.links.swa_pull(self.swa_state_bytes));
@@ -202,7 +241,7 @@ impl Environment for VirtualEnv {
                 self.queue.push(at, Input::HandoffDone(request));
             }
             Output::Finished { request, .. } => {
-                if let Some((at, next)) = self.arrivals.follow(now, request, unit.requests()) {
+                if let Some((at, next)) = self.arrivals.follow(now, request) {
                     self.queue.push(at, Input::Arrival(next));
                 }
             }
