@@ -97,7 +97,8 @@ if [[ "${ATTENTION_BENCH:-0}" == 1 ]]; then
   done
 fi
 # PREFILL_BENCH=1: the prefill rows alone at full size (GEMM ceiling, GEMMs only, the attention
-# kernel's tile sweep, the whole steps, the whole fresh-prompt step per tiles):
+# kernel's tile sweep, the whole steps, the whole fresh-prompt step with the shared expert on
+# its own stream and after the routed experts; with PREFILL_TILES=1 also per tiles):
 # prefill-bench.log and prefill-bench.json.
 if [[ "${PREFILL_BENCH:-0}" == 1 ]]; then
   for t in "$b"/tests/servelab_hw*; do

@@ -1,7 +1,8 @@
 //! The whole prefill step at each of the prefill kernel's tile options, and a short device
 //! benchmark of the prefill rows alone (`prefill_bench`, below): the GEMM ceiling, the GEMMs
-//! only, the attention kernel's tile sweep, the whole steps of the speed report and the whole
-//! fresh-prompt step per tiles.
+//! only, the attention kernel's tile sweep, the whole steps of the speed report, the whole
+//! fresh-prompt step per tiles, and that step with the shared expert on its own stream and
+//! after the routed experts.
 
 use servelab_kernels::prefill_attention::PrefillAttention;
 use servelab_kernels::{GpuContext, KernelError};
@@ -33,6 +34,37 @@ pub fn measure_prefill_step_tiles(
     Ok(rows)
 }
 
+/// The whole fresh-prompt step with the shared expert on its own stream and after the routed
+/// experts on the compute stream ([`crate::backend::CudaBackend::use_shared_expert_lane`]),
+/// alternated `rounds` times so that drift of the device's clocks hits both alike.
+pub fn measure_prefill_step_shared_lane(
+    gpu: &GpuContext,
+    p: &PrefillShape,
+    reps: usize,
+    rounds: usize,
+    ceiling_tflops: f64,
+) -> Result<Vec<Rate>, KernelError> {
+    let model = prefill_step_model(p)?;
+    let mut b = prefill_step_backend(gpu, &model, p, &[0])?;
+    let mut rows = Vec::new();
+    for _ in 0..rounds {
+        for on in [true, false] {
+            b.use_shared_expert_lane(on);
+            let (mut rate, _) =
+                measure_step_row(&mut b, &model, p, 0, reps, ceiling_tflops, (-1, -1))?;
+            let how = if on {
+                "on its own stream"
+            } else {
+                "after the routed experts"
+            };
+            rate.note = format!("shared expert {how}; {}", rate.note);
+            rows.push(rate);
+        }
+    }
+    b.use_shared_expert_lane(true);
+    Ok(rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -53,8 +85,15 @@ mod tests {
         let mut log = |l: &str| println!("{l}");
         let pf = measure_prefill_rows(&gpu, &cfg, gemm.rate, &mut log).unwrap();
         let reps = cfg.reps.min(10);
-        let per_tiles = measure_prefill_step_tiles(&gpu, &cfg.prefill, reps, gemm.rate).unwrap();
-        for r in &per_tiles {
+        // The tile sweep takes most of the bench's device time: PREFILL_TILES=1 runs it.
+        let per_tiles = if std::env::var("PREFILL_TILES").is_ok_and(|v| v == "1") {
+            measure_prefill_step_tiles(&gpu, &cfg.prefill, reps, gemm.rate).unwrap()
+        } else {
+            Vec::new()
+        };
+        let shared =
+            measure_prefill_step_shared_lane(&gpu, &cfg.prefill, reps, 3, gemm.rate).unwrap();
+        for r in per_tiles.iter().chain(&shared) {
             println!(
                 "{}: {:.1} TFLOP/s ({:.3}) {:.3} ms; {}",
                 r.what,
@@ -73,6 +112,7 @@ mod tests {
                 "prefill_steps": pf.steps,
                 "prefill_phases": pf.phases,
                 "prefill_step_per_tiles": per_tiles,
+                "prefill_step_shared_lane": shared,
             });
             std::fs::write(path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
         }
