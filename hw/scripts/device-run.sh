@@ -97,9 +97,8 @@ if [[ "${ATTENTION_BENCH:-0}" == 1 ]]; then
   done
 fi
 # PREFILL_BENCH=1: the prefill rows alone at full size (GEMM ceiling, GEMMs only, the attention
-# kernel's tile sweep, the whole steps, the whole fresh-prompt step with the shared expert on
-# its own stream and after the routed experts; with PREFILL_TILES=1 also per tiles):
-# prefill-bench.log and prefill-bench.json.
+# kernel's tile sweep, the whole steps, the whole fresh-prompt step per tiles; PREFILL_TILES=0
+# leaves out the per-tiles steps): prefill-bench.log and prefill-bench.json.
 if [[ "${PREFILL_BENCH:-0}" == 1 ]]; then
   for t in "$b"/tests/servelab_hw*; do
     OUT="$out" timeout 400 "$t" --ignored prefill_bench --nocapture --test-threads=1 2>&1 \

@@ -175,7 +175,6 @@ pub struct MoeRouter {
     rank_padded: CudaFunction,
     gather: CudaFunction,
     combine: CudaFunction,
-    combine_add: CudaFunction,
 }
 
 impl MoeRouter {
@@ -192,10 +191,9 @@ impl MoeRouter {
             "moe_rank_padded",
             "moe_gather",
             "moe_combine",
-            "moe_combine_add",
         ];
         let mut f = gpu.functions("moe", SRC, &[], &names)?.into_iter();
-        let mut next = || f.next().expect("eight functions");
+        let mut next = || f.next().expect("seven functions");
         Ok(Self {
             num_experts,
             top_k,
@@ -206,7 +204,6 @@ impl MoeRouter {
             rank_padded: next(),
             gather: next(),
             combine: next(),
-            combine_add: next(),
         })
     }
 
@@ -463,58 +460,22 @@ impl MoeRouter {
         dim: usize,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), KernelError> {
-        self.combine_over(gpu, ys, r, n, dim, None, out)
-    }
-
-    /// [`MoeRouter::combine`] with each token's sum starting from its row of `add` (`[n, dim]`):
-    /// `out = add + Σ_j w_j · y_j`, in one pass.
-    #[allow(clippy::too_many_arguments)]
-    pub fn combine_add(
-        &self,
-        gpu: &GpuContext,
-        ys: &CudaSlice<bf16>,
-        r: &Routing,
-        n: usize,
-        dim: usize,
-        add: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), KernelError> {
-        self.combine_over(gpu, ys, r, n, dim, Some(add), out)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn combine_over(
-        &self,
-        gpu: &GpuContext,
-        ys: &CudaSlice<bf16>,
-        r: &Routing,
-        n: usize,
-        dim: usize,
-        add: Option<&CudaSlice<bf16>>,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), KernelError> {
         ensure(
-            ys.len() >= n * self.top_k * dim
-                && out.len() >= n * dim
-                && add.is_none_or(|a| a.len() >= n * dim),
-            || "ys, add or out too short".into(),
+            ys.len() >= n * self.top_k * dim && out.len() >= n * dim,
+            || "ys or out too short".into(),
         )?;
         if n == 0 {
             return Ok(());
         }
         let (k, d) = (self.top_k as i32, dim as i32);
-        let f = if add.is_some() {
-            &self.combine_add
-        } else {
-            &self.combine
-        };
-        let mut b = gpu.stream.launch_builder(f);
-        b.arg(ys).arg(&r.slot_pos).arg(&r.weights).arg(&k).arg(&d);
-        if let Some(a) = add {
-            b.arg(a);
-        }
-        b.arg(out);
-        // SAFETY: slot positions are < n * k; add and out hold n rows of dim.
+        let mut b = gpu.stream.launch_builder(&self.combine);
+        b.arg(ys)
+            .arg(&r.slot_pos)
+            .arg(&r.weights)
+            .arg(&k)
+            .arg(&d)
+            .arg(out);
+        // SAFETY: slot positions are < n * k.
         unsafe {
             b.launch(LaunchConfig {
                 grid_dim: (n as u32, 1, 1),
@@ -606,7 +567,7 @@ fn gather_mismatches(
 }
 
 /// "Expert outputs": random rows (drawn from `r`) in permuted order, combined back per token
-/// on the GPU against the CPU combine, plain and over a random base row per token.
+/// on the GPU against the CPU combine.
 fn check_combine(
     gpu: &GpuContext,
     router: &MoeRouter,
@@ -614,7 +575,7 @@ fn check_combine(
     routing: &Routing,
     perm: &Permutation,
     detail: String,
-) -> Result<Vec<CheckResult>, KernelError> {
+) -> Result<CheckResult, KernelError> {
     let (n, k, dim) = (CHECK_N, CHECK_K, CHECK_DIM);
     let s = &gpu.stream;
     let ys = random_bf16(r, n * k * dim, 1.0);
@@ -623,31 +584,12 @@ fn check_combine(
     let w32 = s.clone_dtoh(&routing.weights)?;
     let reference = combine_cpu(&ys, &perm.slot_pos, &w32, k, dim);
     let got: Vec<f64> = s.clone_dtoh(&dout)?.iter().map(|v| v.to_f64()).collect();
-    // Over a base: the reference adds the base's values to the plain combine's sums.
-    let base = random_bf16(r, n * dim, 1.0);
-    let mut dadd = s.clone_htod(&vec![bf16::NAN; n * dim])?;
-    let dys = s.clone_htod(&ys)?;
-    router.combine_add(gpu, &dys, routing, n, dim, &s.clone_htod(&base)?, &mut dadd)?;
-    let reference_add: Vec<f64> = reference
-        .iter()
-        .zip(&base)
-        .map(|(c, b)| c + b.to_f64())
-        .collect();
-    let got_add: Vec<f64> = s.clone_dtoh(&dadd)?.iter().map(|v| v.to_f64()).collect();
-    Ok(vec![
-        CheckResult::from_stats(
-            "moe_combine",
-            detail.clone(),
-            ErrorStats::of(&got, &reference),
-            BF16_TOL,
-        ),
-        CheckResult::from_stats(
-            "moe_combine_add",
-            detail,
-            ErrorStats::of(&got_add, &reference_add),
-            BF16_TOL,
-        ),
-    ])
+    Ok(CheckResult::from_stats(
+        "moe_combine",
+        detail,
+        ErrorStats::of(&got, &reference),
+        BF16_TOL,
+    ))
 }
 
 pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, KernelError> {
@@ -701,7 +643,7 @@ pub fn check_gpu(gpu: &GpuContext, seed: u64) -> Result<Vec<CheckResult>, Kernel
         detail.clone(),
         gather_mism,
     ));
-    out.extend(check_combine(
+    out.push(check_combine(
         gpu,
         &router,
         &mut r,

@@ -56,22 +56,9 @@ pub(crate) struct Scratch {
     /// step that uses it.
     pad: Option<PaddedMoe>,
     /// Streams of their own (each with its cuBLAS handle) that a large step's routed-expert
-    /// GEMMs spread over ([`expert_gemms`]), and one more for its shared expert
-    /// ([`shared_on_lane`]); opened by the first step that uses them and handed on to a larger
-    /// scratch.
+    /// GEMMs spread over ([`expert_gemms`]), opened by the first step that uses them and
+    /// handed on to a larger scratch.
     lanes: Vec<GpuContext>,
-    /// The shared expert's buffers when it runs on its own lane, allocated by the first step
-    /// that does so.
-    shared_lane: Option<SharedLaneBufs>,
-}
-
-/// The shared expert's activations when it runs beside the routed experts: it cannot borrow
-/// their `gu` and `act` then, and its output waits in `out` for the combine to add it.
-pub(crate) struct SharedLaneBufs {
-    tokens: usize,
-    gu: CudaSlice<bf16>,
-    act: CudaSlice<bf16>,
-    out: CudaSlice<bf16>,
 }
 
 /// Streams the routed-expert GEMMs of a step of at least [`LANE_MIN_TOKENS`] tokens spread
@@ -79,13 +66,9 @@ pub(crate) struct SharedLaneBufs {
 /// the device; several in flight at once fill it.
 const EXPERT_LANES: usize = 4;
 
-/// Smallest step whose routed experts go to [`EXPERT_LANES`] and whose shared expert runs on a
-/// lane of its own: below it (decode steps) the extra event records and waits would cost more
-/// host time than the overlap gains.
+/// Smallest step whose routed experts go to [`EXPERT_LANES`]: below it (decode steps) the
+/// extra event records and waits would cost more host time than the overlap gains.
 const LANE_MIN_TOKENS: usize = 2048;
-
-/// The lane after the routed experts' ones: the shared expert's.
-const SHARED_LANE: usize = EXPERT_LANES;
 
 /// Buffers of the padded expert layout: expert `e`'s rows at `e * t..(e + 1) * t` for a step of
 /// `t` tokens (one expert receives at most `t`, top-k picks distinct experts), so every expert
@@ -163,7 +146,6 @@ impl Scratch {
             att_ws: None,
             pad: None,
             lanes: Vec::new(),
-            shared_lane: None,
         })
     }
 }
@@ -387,8 +369,6 @@ struct Ctx<'a> {
     /// Size the routed experts on the device ([`PaddedMoe`]) instead of from counts copied
     /// back to the host every layer.
     padded_moe: bool,
-    /// Whether a large step's shared expert may run on its own lane ([`shared_on_lane`]).
-    shared_lane: bool,
 }
 
 impl Ctx<'_> {
@@ -771,11 +751,6 @@ fn cross_attention(
 fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
     let (hd, e) = (m.hidden, m.experts);
-    let overlap = c.shared_lane && !c.padded_moe && t >= LANE_MIN_TOKENS && lw.shared.is_some();
-    if overlap {
-        open_lanes(g, sc)?;
-        shared_on_lane(c, lw, t, sc)?;
-    }
     c.mark(Phase::Gemm)?;
     linear_bf16(g, &sc.xn, &lw.router, &mut sc.rl_bf, t, e, hd)?;
     c.mark(Phase::Routing)?;
@@ -783,84 +758,29 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
     if c.padded_moe {
         moe_padded(c, lw, t, sc)?;
     } else {
-        moe_host_sized(c, lw, t, sc, overlap)?;
+        moe_host_sized(c, lw, t, sc)?;
     }
-    if overlap {
-        Ok(())
-    } else {
-        shared_expert(c, lw, t, sc)
-    }
-}
-
-/// Opens the lanes of a large step (the routed experts' and the shared expert's) once.
-fn open_lanes(g: &GpuContext, sc: &mut Scratch) -> Result<(), BackendError> {
-    while sc.lanes.len() <= SHARED_LANE {
-        sc.lanes.push(g.on_new_stream()?);
-    }
-    Ok(())
-}
-
-/// Starts the shared expert over every token of `sc.xn` on its lane, into the lane's `out`:
-/// it needs only the normed input, so it runs while the router, the gather and the routed
-/// experts (whose small GEMMs do not fill the device) run on the other streams, and the
-/// combine adds its output ([`moe_host_sized`]). The lanes must be open.
-fn shared_on_lane(
-    c: &Ctx<'_>,
-    lw: &LayerWeights,
-    t: usize,
-    sc: &mut Scratch,
-) -> Result<(), BackendError> {
-    let (g, k, m) = (c.gpu, c.k, c.m);
-    let Some(sh) = &lw.shared else {
-        return Ok(());
-    };
-    let (hd, sf) = (m.hidden, m.shared_ffn);
-    if sc.shared_lane.as_ref().is_none_or(|b| b.tokens < t) {
-        sc.shared_lane = None;
-        let s = &g.stream;
-        let n = sc.tokens.max(t);
-        sc.shared_lane = Some(SharedLaneBufs {
-            tokens: n,
-            gu: s.alloc_zeros(n * 2 * sf)?,
-            act: s.alloc_zeros(n * sf)?,
-            out: s.alloc_zeros(n * hd)?,
-        });
-    }
-    let (lane, bufs) = (
-        &sc.lanes[SHARED_LANE],
-        sc.shared_lane.as_mut().expect("set above"),
-    );
-    let fork = g.stream.record_event(None)?;
-    lane.stream.wait(&fork)?;
-    linear_bf16(lane, &sc.xn, &sh.w_gate_up, &mut bufs.gu, t, 2 * sf, hd)?;
-    k.ops.silu_mul(lane, &bufs.gu, &mut bufs.act, t, sf)?;
-    linear_bf16(lane, &bufs.act, &sh.w_down, &mut bufs.out, t, hd, sf)?;
-    Ok(())
+    shared_expert(c, lw, t, sc)
 }
 
 /// The routed experts sized by counts copied to the host: each expert's GEMM covers exactly
 /// its rows of the packed expert-major layout.
-/// With `shared_added` the shared expert ran on its lane ([`shared_on_lane`]) and the combine
-/// adds its output.
 fn moe_host_sized(
     c: &Ctx<'_>,
     lw: &LayerWeights,
     t: usize,
     sc: &mut Scratch,
-    shared_added: bool,
 ) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
     let (hd, f) = (m.hidden, m.expert_ffn);
     k.router.route_into(g, &sc.rl_f, t, true, &mut sc.routing)?;
     let counts: Vec<i32> = g.stream.clone_dtoh(&sc.routing.counts)?;
-    if t >= LANE_MIN_TOKENS {
-        open_lanes(g, sc)?;
+    if t >= LANE_MIN_TOKENS && sc.lanes.is_empty() {
+        for _ in 0..EXPERT_LANES {
+            sc.lanes.push(g.on_new_stream()?);
+        }
     }
-    let lanes: &[GpuContext] = if t >= LANE_MIN_TOKENS {
-        &sc.lanes[..EXPERT_LANES]
-    } else {
-        &[]
-    };
+    let lanes: &[GpuContext] = if t >= LANE_MIN_TOKENS { &sc.lanes } else { &[] };
     c.mark(Phase::Permute)?;
     k.router.gather(g, &sc.xn, &sc.routing, t, hd, &mut sc.xs)?;
     c.mark(Phase::Gemm)?;
@@ -891,17 +811,8 @@ fn moe_host_sized(
         f,
     )?;
     c.mark(Phase::Permute)?;
-    if shared_added {
-        let sh = sc.shared_lane.as_ref().ok_or_else(|| {
-            BackendError::Plan("the shared expert ran on its lane without buffers".into())
-        })?;
-        g.stream.join(&sc.lanes[SHARED_LANE].stream)?;
-        k.router
-            .combine_add(g, &sc.ys, &sc.routing, t, hd, &sh.out, &mut sc.moe_out)?;
-    } else {
-        k.router
-            .combine(g, &sc.ys, &sc.routing, t, hd, &mut sc.moe_out)?;
-    }
+    k.router
+        .combine(g, &sc.ys, &sc.routing, t, hd, &mut sc.moe_out)?;
     Ok(())
 }
 
@@ -1306,7 +1217,6 @@ fn ctx(b: &CudaBackend, padded_moe: bool) -> Ctx<'_> {
         global_layout: b.global_layout(),
         phases: b.phases.as_ref(),
         padded_moe,
-        shared_lane: b.shared_expert_lane,
     }
 }
 
@@ -1327,7 +1237,6 @@ fn run_stack(
         global_layout: b.global_layout(),
         phases: b.phases.as_ref(),
         padded_moe: inp.padded_moe,
-        shared_lane: b.shared_expert_lane,
     };
     let (layers, first, own) = match stack {
         Stack::Encoder { global_slots } => (&b.w.encoder, 0, Some(*global_slots)),

@@ -280,9 +280,6 @@ pub struct CudaBackend {
     /// The running decode step's end event, and whether [`Self::mark_issued`] recorded it.
     pub(crate) decode_end: Option<(cudarc::driver::CudaEvent, bool)>,
     pub(crate) decode_mode: DecodeMode,
-    /// Whether a large prefill step's shared expert runs on a stream of its own beside the
-    /// routed experts (the default) or after them on the compute stream.
-    pub(crate) shared_expert_lane: bool,
     /// Kept inputs, outputs and graphs of device-bound decode steps.
     pub(crate) decode_bufs: Option<forward::DecodeBuffers>,
 }
@@ -404,7 +401,6 @@ impl CudaBackend {
             issued_at: None,
             decode_end: None,
             decode_mode: DecodeMode::Eager,
-            shared_expert_lane: true,
             decode_bufs: None,
         })
     }
@@ -476,13 +472,6 @@ impl CudaBackend {
             _ => None,
         };
         Ok(())
-    }
-
-    /// Runs the shared expert of a prefill step of at least 2,048 tokens on a stream of its own,
-    /// beside the router and the routed experts (`true`, the default), or after them on the
-    /// compute stream (`false`), e.g. to compare the two.
-    pub fn use_shared_expert_lane(&mut self, on: bool) {
-        self.shared_expert_lane = on;
     }
 
     /// Replaces the prefill attention kernel's tiles (recompiled), e.g. to compare tiles.
@@ -1196,65 +1185,6 @@ mod tests {
             assert!(mean <= 0.01 * scale.max(1.0), "mean diff {mean}");
         }
         b.use_prefill_kernel(true).unwrap();
-    }
-
-    /// A prefill step large enough for the shared expert's own lane gives the logits of the
-    /// same step with the shared expert after the routed ones on the compute stream (the
-    /// combine adds it in one sum instead of a GEMM's beta, so the bits may differ).
-    #[test]
-    fn gpu_shared_expert_on_its_lane_matches_the_serial_one() {
-        let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
-            return;
-        };
-        let base = tiny();
-        let cfg = BackendConfig {
-            model: ModelShape {
-                shared_ffn: 192,
-                ..base.model.clone()
-            },
-            hbm_blocks: 64,
-            ring_slots: 4,
-            ..base
-        };
-        let mut b = CudaBackend::new(Arc::new(gpu), cfg).unwrap();
-        let m = b.config().model.clone();
-        let plan = StepPlan::Prefill(PrefillPlan {
-            engine: EngineId(0),
-            chunks: vec![PrefillChunk {
-                request: RequestId(9),
-                new_tokens: 2300,
-                prefix_tokens: 0,
-                new_token_layers: m.encoder_layers as u32,
-                decoder_tokens: 140,
-                decoder_layers: m.decoder_layers as u32,
-                swap_in_bytes: 0,
-            }],
-            expert_imbalance: 1.0,
-        });
-        let mut logits = Vec::new();
-        for on in [true, false] {
-            b.use_shared_expert_lane(on);
-            b.reset();
-            b.keep_logits = true;
-            b.try_execute(&plan, &mut StepReport::default()).unwrap();
-            logits.push(b.last_logits.clone());
-        }
-        let (a, c) = (&logits[0], &logits[1]);
-        assert!(!a.is_empty() && a.len() == c.len());
-        let max = a
-            .iter()
-            .zip(c)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max);
-        let scale = c.iter().map(|x| x.abs()).fold(0.0, f32::max);
-        println!(
-            "shared expert on its lane vs serial: max abs logit diff {max:.3e} (largest |logit| {scale:.3})"
-        );
-        assert!(a.iter().all(|x| x.is_finite()));
-        assert!(
-            max <= 0.05 * scale.max(1.0),
-            "max diff {max} vs logits up to {scale}"
-        );
     }
 
     /// The handoff copies a prefilled request's KV and SWA ring from the prefill engine's

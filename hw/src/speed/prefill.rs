@@ -1,8 +1,7 @@
 //! The whole prefill step at each of the prefill kernel's tile options, and a short device
 //! benchmark of the prefill rows alone (`prefill_bench`, below): the GEMM ceiling, the GEMMs
-//! only, the attention kernel's tile sweep, the whole steps of the speed report, the whole
-//! fresh-prompt step per tiles, and that step with the shared expert on its own stream and
-//! after the routed experts.
+//! only, the attention kernel's tile sweep, the whole steps of the speed report and the whole
+//! fresh-prompt step per tiles.
 
 use servelab_kernels::prefill_attention::PrefillAttention;
 use servelab_kernels::{GpuContext, KernelError};
@@ -34,37 +33,6 @@ pub fn measure_prefill_step_tiles(
     Ok(rows)
 }
 
-/// The whole fresh-prompt step with the shared expert on its own stream and after the routed
-/// experts on the compute stream ([`crate::backend::CudaBackend::use_shared_expert_lane`]),
-/// alternated `rounds` times so that drift of the device's clocks hits both alike.
-pub fn measure_prefill_step_shared_lane(
-    gpu: &GpuContext,
-    p: &PrefillShape,
-    reps: usize,
-    rounds: usize,
-    ceiling_tflops: f64,
-) -> Result<Vec<Rate>, KernelError> {
-    let model = prefill_step_model(p)?;
-    let mut b = prefill_step_backend(gpu, &model, p, &[0])?;
-    let mut rows = Vec::new();
-    for _ in 0..rounds {
-        for on in [true, false] {
-            b.use_shared_expert_lane(on);
-            let (mut rate, _) =
-                measure_step_row(&mut b, &model, p, 0, reps, ceiling_tflops, (-1, -1))?;
-            let how = if on {
-                "on its own stream"
-            } else {
-                "after the routed experts"
-            };
-            rate.note = format!("shared expert {how}; {}", rate.note);
-            rows.push(rate);
-        }
-    }
-    b.use_shared_expert_lane(true);
-    Ok(rows)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,15 +53,13 @@ mod tests {
         let mut log = |l: &str| println!("{l}");
         let pf = measure_prefill_rows(&gpu, &cfg, gemm.rate, &mut log).unwrap();
         let reps = cfg.reps.min(10);
-        // The tile sweep takes most of the bench's device time: PREFILL_TILES=1 runs it.
-        let per_tiles = if std::env::var("PREFILL_TILES").is_ok_and(|v| v == "1") {
-            measure_prefill_step_tiles(&gpu, &cfg.prefill, reps, gemm.rate).unwrap()
-        } else {
+        // The tile sweep takes most of the bench's device time: PREFILL_TILES=0 skips it.
+        let per_tiles = if std::env::var("PREFILL_TILES").is_ok_and(|v| v == "0") {
             Vec::new()
+        } else {
+            measure_prefill_step_tiles(&gpu, &cfg.prefill, reps, gemm.rate).unwrap()
         };
-        let shared =
-            measure_prefill_step_shared_lane(&gpu, &cfg.prefill, reps, 3, gemm.rate).unwrap();
-        for r in per_tiles.iter().chain(&shared) {
+        for r in &per_tiles {
             println!(
                 "{}: {:.1} TFLOP/s ({:.3}) {:.3} ms; {}",
                 r.what,
@@ -112,7 +78,6 @@ mod tests {
                 "prefill_steps": pf.steps,
                 "prefill_phases": pf.phases,
                 "prefill_step_per_tiles": per_tiles,
-                "prefill_step_shared_lane": shared,
             });
             std::fs::write(path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
         }

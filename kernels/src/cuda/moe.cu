@@ -167,33 +167,19 @@ extern "C" __global__ void moe_gather(const bf16_t* __restrict__ x, const int* _
     for (int i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
 }
 
-// out[t, :] = add[t, :] + sum_j weights[t, j] * ys[slot_pos[t * k + j], :], the sum starting
-// from add's value (or 0 without one) and taking slots in order j = 0..k. grid n, any block
-// size. Vectorised like moe_gather (8 elements per thread and load) when the rows allow; each
-// element sees the same fmaf sequence either way, so results are identical.
-template <bool ADD>
-__device__ void combine_rows(const bf16_t* __restrict__ ys, const int* __restrict__ slot_pos,
-                             const float* __restrict__ weights, int top_k, int dim,
-                             const bf16_t* __restrict__ add, bf16_t* __restrict__ out) {
+// out[t, :] = sum_j weights[t, j] * ys[slot_pos[t * k + j], :], slots summed in order j = 0..k.
+// grid n, any block size. Vectorised like moe_gather (8 elements per thread and load) when the
+// rows allow; each element sees the same fmaf sequence either way, so results are identical.
+extern "C" __global__ void moe_combine(const bf16_t* __restrict__ ys, const int* __restrict__ slot_pos,
+                                       const float* __restrict__ weights, int top_k, int dim,
+                                       bf16_t* __restrict__ out) {
     const i64 t = blockIdx.x;
-    const unsigned long long addr =
-        ((unsigned long long)ys) | ((unsigned long long)out) | (ADD ? (unsigned long long)add : 0ull);
-    const bool vec = (dim & 7) == 0 && (addr & 15) == 0;
+    const bool vec = (dim & 7) == 0 && ((((unsigned long long)ys) | ((unsigned long long)out)) & 15) == 0;
     if (vec) {
         for (int i = threadIdx.x; i < (dim >> 3); i += blockDim.x) {
             float s[8];
-            if (ADD) {
-                const uint4 a = reinterpret_cast<const uint4*>(add + t * dim)[i];
-                const unsigned int u[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[2 * e] = bf2f((bf16_t)(u[e] & 0xffffu));
-                    s[2 * e + 1] = bf2f((bf16_t)(u[e] >> 16));
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) s[e] = 0.f;
-            }
+            for (int e = 0; e < 8; ++e) s[e] = 0.f;
             for (int j = 0; j < top_k; ++j) {
                 const float w = weights[t * top_k + j];
                 const uint4 v = reinterpret_cast<const uint4*>(ys + (i64)slot_pos[t * top_k + j] * dim)[i];
@@ -214,23 +200,9 @@ __device__ void combine_rows(const bf16_t* __restrict__ ys, const int* __restric
         return;
     }
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float s = ADD ? bf2f(add[t * dim + i]) : 0.f;
+        float s = 0.f;
         for (int j = 0; j < top_k; ++j)
             s = fmaf(weights[t * top_k + j], bf2f(ys[(i64)slot_pos[t * top_k + j] * dim + i]), s);
         out[t * dim + i] = f2bf(s);
     }
-}
-
-extern "C" __global__ void moe_combine(const bf16_t* __restrict__ ys, const int* __restrict__ slot_pos,
-                                       const float* __restrict__ weights, int top_k, int dim,
-                                       bf16_t* __restrict__ out) {
-    combine_rows<false>(ys, slot_pos, weights, top_k, dim, nullptr, out);
-}
-
-// moe_combine over a base: the shared expert's output, computed on another stream while the
-// routed experts ran, enters the sum here instead of in a pass of its own.
-extern "C" __global__ void moe_combine_add(const bf16_t* __restrict__ ys, const int* __restrict__ slot_pos,
-                                           const float* __restrict__ weights, int top_k, int dim,
-                                           const bf16_t* __restrict__ add, bf16_t* __restrict__ out) {
-    combine_rows<true>(ys, slot_pos, weights, top_k, dim, add, out);
 }
