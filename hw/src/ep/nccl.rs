@@ -278,4 +278,54 @@ mod tests {
             t.remote_bytes as f64 / t.duration_ns.max(1) as f64
         );
     }
+    /// The exchange of uniform all-to-alls on every GPU of the machine (one GPU: NCCL's copy of
+    /// a rank to itself), from a decode step's dispatch of the conformance model (32 sequences
+    /// x 6 query tokens x top-2 rows of 1,024 f32) up to 64 MiB per rank, reported as
+    /// nccl-tests reports alltoall (algorithm bandwidth = bytes per rank / time; bus bandwidth =
+    /// algorithm bandwidth x (n - 1) / n), so the two tables compare.
+    #[test]
+    fn gpu_nccl_all_to_all_bandwidth() {
+        let n = gpu_count();
+        let Some(c) = ctxs(n.max(1)) else { return };
+        let mut nccl = NcclAllToAll::new(&c).unwrap();
+        let decode_rows = 32 * 6 * 2;
+        for (name, rows_per_rank, width) in [
+            ("decode dispatch", decode_rows, 1024),
+            ("1 MiB", 256, 1024),
+            ("16 MiB", 4096, 1024),
+            ("64 MiB", 16384, 1024),
+        ] {
+            let per_peer = rows_per_rank / n;
+            let counts = vec![vec![per_peer; n]; n];
+            let len = per_peer * n * width;
+            let send: Vec<CudaSlice<f32>> = (0..n)
+                .map(|r| nccl.stream(r).alloc_zeros::<f32>(len).unwrap())
+                .collect();
+            let mut recv: Vec<CudaSlice<f32>> = (0..n)
+                .map(|r| nccl.stream(r).alloc_zeros::<f32>(len).unwrap())
+                .collect();
+            for r in 0..n {
+                nccl.stream(r).synchronize().unwrap();
+            }
+            nccl.exchange(&send, &mut recv, &counts, width).unwrap();
+            let best = (0..5)
+                .map(|_| {
+                    nccl.exchange(&send, &mut recv, &counts, width)
+                        .unwrap()
+                        .duration_ns
+                })
+                .min()
+                .unwrap();
+            let bytes = (len * 4) as f64;
+            let alg = bytes / best.max(1) as f64;
+            println!(
+                "all-to-all {name} on {n} rank(s): {:.0} KiB per rank in {:.1} us: algbw {alg:.1} \
+                 GB/s, busbw {:.1} GB/s",
+                bytes / 1024.0,
+                best as f64 / 1e3,
+                alg * (n as f64 - 1.0) / n as f64
+            );
+            assert!(best > 0);
+        }
+    }
 }
