@@ -31,6 +31,7 @@ use servelab_workloads::generate::WorkloadConfig;
 use crate::backend::{BackendConfig, CudaBackend, ModelShape};
 use crate::clock::WallDevice;
 use crate::env::{GpuEnv, HandoffJob, ReplayEnv, RunOutcome, UnitDevice, request_outcomes};
+use crate::multi_gpu::{DeviceMap, MultiGpuDevice};
 use crate::placement::{PlacementConfig, UnitShape};
 
 /// The conformance config file (`experiments/configs/conformance.toml`).
@@ -477,7 +478,10 @@ pub fn run_virtual(
         file,
         profile,
         reqs,
-        |u| GpuEnv::virtual_placed(device, u, file.placement()),
+        |u| match &file.placement {
+            Some(p) => GpuEnv::virtual_placed(device, u, p.clone()),
+            None => GpuEnv::virtual_clock(device, u),
+        },
         GpuEnv::finish,
     )
 }
@@ -725,6 +729,11 @@ pub fn run_on_gpu(
     let devices =
         cudarc::driver::CudaContext::device_count().map_err(crate::backend::BackendError::from)?;
     file.check_placement_fits(devices.max(0) as usize)?;
+    if file.placement().physical_ordinals().len() > 1 {
+        return Err(ConformanceError::Device(
+            "the placement uses several physical GPUs: run it with run_on_gpus".into(),
+        ));
+    }
     if b.config().unit_devices != file.backend_config().unit_devices {
         return Err(ConformanceError::Device(
             "the backend was not built from the config's backend_config()".into(),
@@ -756,7 +765,7 @@ pub fn run_on_gpu_wall(
     commit: &str,
 ) -> Result<Record, ConformanceError> {
     let file = ConformanceFile::parse(config_text, origin)?;
-    if file.own_gpus() {
+    if file.own_gpus() || file.placement().physical_ordinals().len() > 1 {
         return Err(ConformanceError::Device(
             "the wall clock runs every device of the unit on one device thread (one GPU); a \
              placement with GPUs of their own runs on the virtual clock"
@@ -814,14 +823,29 @@ fn warm_up(
     file: &ConformanceFile,
     profile: &HardwareProfile,
 ) -> Result<(), ConformanceError> {
+    warm_up_ladder(b, file)?;
+    if let Some(seed) = file.conformance.warmup_run_seed {
+        let reqs = workload_with_seed(file, seed)?;
+        run_virtual(file, profile, &reqs, b)?;
+        b.reset();
+    }
+    Ok(())
+}
+
+/// The ladder of [`warm_up`], `warmup_steps` times, on the kinds of device `b` holds (a
+/// backend of several GPUs' may hold only prefill engines or only decode groups), then a reset.
+fn warm_up_ladder(b: &mut CudaBackend, file: &ConformanceFile) -> Result<(), ConformanceError> {
     let mut report = StepReport::default();
-    let plans = warm_up_plans(&b.config().model, file);
+    let split = b.config().unit_devices;
+    let decode = split.is_none_or(|(_, g)| g > 0);
+    let plans = ladder_for(warm_up_plans(&b.config().model, file), split);
     for _ in 0..file.conformance.warmup_steps {
         for plan in &plans {
             b.try_execute(plan, &mut report)?;
             // The handoff copy's kernels too: the prefill's KV to decode group 0.
             if let StepPlan::Prefill(p) = plan
-                && b.config().unit_devices.is_some()
+                && split.is_some()
+                && decode
             {
                 b.handoff(p.chunks[0].request.0, 0)?;
             }
@@ -829,12 +853,81 @@ fn warm_up(
         }
     }
     b.reset();
-    if let Some(seed) = file.conformance.warmup_run_seed {
-        let reqs = workload_with_seed(file, seed)?;
-        run_virtual(file, profile, &reqs, b)?;
-        b.reset();
-    }
     Ok(())
+}
+
+/// The ladder's plans a backend holding `split` (prefill engines, decode groups) can run.
+fn ladder_for(plans: Vec<StepPlan>, split: Option<(u32, u32)>) -> Vec<StepPlan> {
+    let (prefill, decode) = split.map_or((true, true), |(p, g)| (p > 0, g > 0));
+    plans
+        .into_iter()
+        .filter(|p| match p {
+            StepPlan::Prefill(_) => prefill,
+            StepPlan::Decode(_) => decode,
+        })
+        .collect()
+}
+
+/// Part 1 on several GPUs, on the virtual clock: the placement's devices on one backend per
+/// physical ordinal ([`MultiGpuDevice`]; `gpus[i]` the context of the placement's i-th
+/// ordinal, ascending), handoffs between backends as peer copies. Each backend is warmed up
+/// with the ladder of the devices it holds, then the throwaway run (`warmup_run_seed`) goes
+/// through the whole device.
+pub fn run_on_gpus(
+    gpus: Vec<std::sync::Arc<servelab_kernels::GpuContext>>,
+    config_text: &str,
+    origin: &str,
+    profile_text: &str,
+    date: &str,
+    commit: &str,
+) -> Result<Record, ConformanceError> {
+    let file = ConformanceFile::parse(config_text, origin)?;
+    let profile = parse_profile(profile_text, &file.conformance.profile)?;
+    let reqs = workload(&file)?;
+    file.check_placement_fits(gpus.len())?;
+    if !file.conformance.handoff.copy {
+        return Err(ConformanceError::Device(
+            "a placement over several GPUs needs conformance.handoff.copy = true (each GPU \
+             its own pool)"
+                .into(),
+        ));
+    }
+    let (map, ordinals) =
+        DeviceMap::by_ordinal(&file.placement()).map_err(ConformanceError::Device)?;
+    if ordinals.len() != gpus.len() {
+        return Err(ConformanceError::Device(format!(
+            "{} GPU contexts for the placement's ordinals {ordinals:?}",
+            gpus.len()
+        )));
+    }
+    let name = format!("{} x {}", gpus.len(), gpus[0].name());
+    let mut backends = Vec::with_capacity(gpus.len());
+    for (gpu, &local) in gpus.into_iter().zip(&map.local) {
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(crate::backend::BackendError::from)?;
+        let cfg = BackendConfig {
+            unit_devices: Some(local),
+            ..file.backend_config()
+        };
+        let mut b = CudaBackend::new(gpu, cfg)?;
+        warm_up_ladder(&mut b, &file)?;
+        backends.push(b);
+    }
+    let mut dev = MultiGpuDevice::new(map, backends).map_err(ConformanceError::Device)?;
+    if let Some(seed) = file.conformance.warmup_run_seed {
+        run_virtual(&file, &profile, &workload_with_seed(&file, seed)?, &mut dev)?;
+        dev.reset();
+    }
+    let (run, _) = run_virtual(&file, &profile, &reqs, &mut dev)?;
+    Ok(Record {
+        config: config_text.to_string(),
+        policy_profile: profile_text.to_string(),
+        gpu: name,
+        date: date.to_string(),
+        commit: commit.to_string(),
+        run,
+    })
 }
 
 /// The warm-up ladder: one prefill per chunk size, cold and over a prefix, and one decode step per
@@ -1081,6 +1174,28 @@ think_time_s = { kind = "fixed", value = 0.2 }
                 crate::backend::check_prefill_plan(p).unwrap();
             }
         }
+    }
+
+    /// A backend of prefill engines only warms up prefill plans, one of decode groups only
+    /// decode plans.
+    #[test]
+    fn the_ladder_follows_the_devices_a_backend_holds() {
+        let f = file();
+        let all = warm_up_plans(&f.backend.model, &f);
+        let n = all.len();
+        let prefills = all
+            .iter()
+            .filter(|p| matches!(p, StepPlan::Prefill(_)))
+            .count();
+        assert!(prefills > 0 && prefills < n);
+        assert_eq!(ladder_for(all.clone(), None).len(), n);
+        assert_eq!(ladder_for(all.clone(), Some((1, 1))).len(), n);
+        let p = ladder_for(all.clone(), Some((2, 0)));
+        assert_eq!(p.len(), prefills);
+        assert!(p.iter().all(|p| matches!(p, StepPlan::Prefill(_))));
+        let d = ladder_for(all, Some((0, 1)));
+        assert_eq!(d.len(), n - prefills);
+        assert!(d.iter().all(|p| matches!(p, StepPlan::Decode(_))));
     }
 
     #[test]

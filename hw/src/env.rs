@@ -286,7 +286,10 @@ impl<'d> GpuEnv<'d> {
     pub fn virtual_clock(run: &'d mut dyn UnitDevice, unit: &ServingUnit) -> Self {
         let c = unit.config();
         let shared = PlacementConfig::shared(c.prefill.gpus, c.decode.groups);
-        Self::virtual_placed(run, unit, shared)
+        let mut env = Self::virtual_placed(run, unit, shared);
+        // Records of the one shared GPU stay as they were before placements.
+        env.run.placement = None;
+        env
     }
 
     /// On the virtual clock with the unit's devices on the GPUs of `placement`: each logical

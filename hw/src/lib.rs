@@ -14,6 +14,7 @@ pub mod commands;
 pub mod conformance;
 pub mod env;
 pub mod ep;
+pub mod multi_gpu;
 pub mod peer;
 pub mod placement;
 pub mod report;

@@ -26,6 +26,7 @@
 pub mod disk;
 pub mod model;
 pub mod tiers;
+mod transfer;
 
 pub(crate) mod forward;
 
@@ -183,7 +184,7 @@ impl BackendConfig {
     }
 
     /// Elements of one SWA ring slot: two blocks of every layer.
-    fn ring_slot_elems(&self) -> usize {
+    pub(crate) fn ring_slot_elems(&self) -> usize {
         2 * self.model.layers() * self.model.block_size * self.model.kv_row()
     }
 }
@@ -1003,13 +1004,13 @@ impl Backend for CudaBackend {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use servelab_core::engine::plan::{DecodeRankPlan, DecodeSeq, PrefillChunk};
     use servelab_core::ids::{EngineId, RequestId};
 
     /// A small GQA model (2 KV heads x 4 x d 64), which the tensor-core prefill kernel takes.
-    fn tiny() -> BackendConfig {
+    pub(crate) fn tiny() -> BackendConfig {
         let m = tiny_mla().model.gqa(2, 4, 64);
         BackendConfig {
             model: m,
