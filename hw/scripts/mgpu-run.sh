@@ -42,7 +42,7 @@ if [[ -n $src && ! -e $src ]]; then
   mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"
 fi
 : > "$out/tests.log"
-for filter in placement ep:: peer:: handoff routing decode_groups_span; do
+for filter in placement ep:: peer:: handoff routing decode_groups_span multi_gpu ladder; do
   echo "=== servelab_hw $filter" | tee -a "$out/tests.log"
   timeout 120 "$b/tests/servelab_hw" "$filter" --test-threads=1 --nocapture >> "$out/tests.log" 2>&1 \
     || echo "FAILED: $filter" | tee -a "$out/tests.log"
