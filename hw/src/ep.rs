@@ -509,4 +509,26 @@ mod tests {
         assert_eq!(received, l.rank_loads(&counts));
         assert_eq!(eplb_imbalance(&[vec![0; 64]], 8, 2).unwrap(), (1.0, 1.0));
     }
+    proptest::proptest! {
+        /// Any ranks, tokens (none on a rank included), experts, top-k and replicas: the EP
+        /// layer equals the direct computation.
+        #[test]
+        fn ep_moe_is_the_reference_for_any_shape(
+            ranks in 1usize..6,
+            tokens in 0usize..12,
+            experts_per_rank in 1usize..5,
+            k in 1usize..4,
+            redundant in 0usize..3,
+            seed in 0u64..1000,
+        ) {
+            let experts = experts_per_rank * ranks;
+            let k = k.min(experts);
+            let (routes, xs) = layer(ranks, tokens, 3, experts, k, seed);
+            let w = vec![(0..experts).map(|e| (e * 7 % 5) as f32 + 1.0).collect::<Vec<_>>()];
+            let p = rebalance_experts(&w, experts + redundant * ranks, 1, 1, ranks).unwrap();
+            let l = EpLayout::from_placement(&p, 0, ranks).unwrap();
+            let got = ep_moe(&l, &routes, &xs, 3, &expert, &mut LocalAllToAll).unwrap();
+            proptest::prop_assert_eq!(got, reference_moe(&routes, &xs, 3, &expert));
+        }
+    }
 }

@@ -402,4 +402,39 @@ mod tests {
         let d = s.step(DeviceId::Decode(0), ms(5), ms(1));
         assert_eq!(d.begin, ms(21));
     }
+    proptest::proptest! {
+        /// Any sequence of steps and handoffs on any disaggregated placement: a step never
+        /// starts before its planned start nor before the previous step on any of its GPUs
+        /// ended; a handoff never starts before it was asked for.
+        #[test]
+        fn timelines_keep_every_gpu_fifo(
+            p in 1u32..3,
+            g in 1u32..3,
+            ranks in 1u32..3,
+            ops in proptest::collection::vec((0u32..8, 0u64..50, 1u64..20, proptest::bool::ANY), 1..40),
+        ) {
+            let placement = PlacementConfig::disaggregated(p, g, ranks, |_| 0);
+            let mut t = Timelines::new(placement.clone());
+            let mut free = vec![Nanos::ZERO; placement.gpus as usize];
+            for (d, at, len, handoff) in ops {
+                let (at, len) = (Nanos::from_micros(at), Nanos::from_micros(len));
+                let device = if d % 2 == 0 {
+                    DeviceId::Prefill(d / 2 % p)
+                } else {
+                    DeviceId::Decode(d / 2 % g)
+                };
+                if handoff {
+                    let s = t.handoff(DeviceId::Prefill(d % p), DeviceId::Decode(d % g), at, len);
+                    proptest::prop_assert!(s.begin >= at && s.end == s.begin + len);
+                    continue;
+                }
+                let s = t.step(device, at, len);
+                proptest::prop_assert!(s.begin >= at && s.end == s.begin + len);
+                for &gpu in placement.gpus_of(device) {
+                    proptest::prop_assert!(s.begin >= free[gpu as usize]);
+                    free[gpu as usize] = s.end;
+                }
+            }
+        }
+    }
 }
