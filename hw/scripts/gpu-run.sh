@@ -46,6 +46,7 @@ cp "$dir/servelab-gpu" "$bundle/"
 if command -v strip >/dev/null; then strip --strip-debug "$bundle"/servelab-gpu "$bundle"/tests/*; fi
 cp hw/scripts/device-run.sh "$bundle/run.sh"
 cp hw/scripts/decode-bench.sh "$bundle/decode-bench.sh"
+cp hw/scripts/mgpu-run.sh "$bundle/mgpu.sh"
 # The commit the binaries were built from ("-dirty" when the tree had changes), for profiles.
 c=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD -- 2>/dev/null || c="$c-dirty"

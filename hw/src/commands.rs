@@ -573,6 +573,20 @@ fn gpu_record(o: &ConformanceOptions, log: &mut dyn FnMut(&str)) -> Result<Recor
     let gpu = Arc::new(open_gpu()?);
     let t0 = Instant::now();
     let rec = match o.clock {
+        ClockKind::Virtual if file.placement().physical_ordinals().len() > 1 => {
+            let pin = crate::affinity::pin_to_current_cpu();
+            let gpus = file
+                .placement()
+                .physical_ordinals()
+                .iter()
+                .map(|&o| GpuContext::new(o as usize).map(Arc::new))
+                .collect::<Result<Vec<_>, _>>()?;
+            drop(gpu);
+            let mut rec =
+                conformance::run_on_gpus(gpus, &text, &origin, &profile_text, &o.date, &o.commit)?;
+            rec.run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
+            rec
+        }
         ClockKind::Virtual => {
             // As in calibration and the wall clock: one CPU for the launching thread.
             let pin = crate::affinity::pin_to_current_cpu();

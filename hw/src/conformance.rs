@@ -31,6 +31,8 @@ use servelab_workloads::generate::WorkloadConfig;
 use crate::backend::{BackendConfig, CudaBackend, ModelShape};
 use crate::clock::WallDevice;
 use crate::env::{GpuEnv, HandoffJob, ReplayEnv, RunOutcome, UnitDevice, request_outcomes};
+use crate::multi_gpu::{DeviceMap, MultiGpuDevice};
+use crate::placement::{PlacementConfig, UnitShape};
 
 /// The conformance config file (`experiments/configs/conformance.toml`).
 #[derive(Clone, Debug, Deserialize)]
@@ -43,6 +45,10 @@ pub struct ConformanceFile {
     #[serde(default)]
     pub backend: BackendConfig,
     pub workload: WorkloadConfig,
+    /// The GPUs of each prefill engine and decode group (absent: every device on the one GPU).
+    /// A decode group's GPUs are its EP ranks.
+    #[serde(default)]
+    pub placement: Option<PlacementConfig>,
 }
 
 /// The unit's policies for the run.
@@ -206,7 +212,53 @@ impl ConformanceFile {
         f.backend_config().validate()?;
         f.conformance.handoff.validate()?;
         f.workload.validate()?;
+        if let Some(p) = &f.placement {
+            p.validate("placement", f.unit_shape(), None)?;
+        }
         Ok(f)
+    }
+
+    /// The unit's devices as a placement must cover them (a decode group's ranks are its GPUs).
+    fn unit_shape(&self) -> UnitShape {
+        UnitShape {
+            prefill_engines: self.conformance.prefill.gpus,
+            decode_groups: self.conformance.decode.groups,
+            decode_ranks: None,
+        }
+    }
+
+    /// The run's placement: `[placement]`, or every device on the one GPU.
+    pub fn placement(&self) -> PlacementConfig {
+        self.placement.clone().unwrap_or_else(|| {
+            PlacementConfig::shared(
+                self.conformance.prefill.gpus,
+                self.conformance.decode.groups,
+            )
+        })
+    }
+
+    /// EP ranks of each decode group: its GPUs in the placement (1 on the one GPU).
+    pub fn decode_ranks(&self) -> u32 {
+        self.placement
+            .as_ref()
+            .and_then(|p| p.decode.first())
+            .map_or(1, |g| g.len() as u32)
+    }
+
+    /// Whether every device of the unit has GPUs of its own, so the simulator's matching
+    /// model is its `own-gpus` placement (otherwise `one-gpu`: devices share the GPU).
+    pub fn own_gpus(&self) -> bool {
+        self.placement
+            .as_ref()
+            .is_some_and(PlacementConfig::own_gpus)
+    }
+
+    /// Checks the placement's physical ordinals against the machine's `devices` GPUs.
+    pub fn check_placement_fits(&self, devices: usize) -> Result<(), ConfigError> {
+        match &self.placement {
+            Some(p) => p.validate("placement", self.unit_shape(), Some(devices)),
+            None => Ok(()),
+        }
     }
 
     /// The backend the GPU runs: `[backend]`, its pool split into one region per device of
@@ -271,7 +323,7 @@ impl ConformanceFile {
             decode: DecodePoolConfig {
                 groups: c.decode.groups,
                 gpus_per_machine: 8,
-                ranks: 1,
+                ranks: self.decode_ranks(),
                 max_seqs_per_rank: c.max_seqs,
                 kv_capacity_tokens_per_rank: c.kv_capacity_tokens,
                 max_waiting_per_rank: c.max_waiting,
@@ -426,7 +478,10 @@ pub fn run_virtual(
         file,
         profile,
         reqs,
-        |u| GpuEnv::virtual_clock(device, u),
+        |u| match &file.placement {
+            Some(p) => GpuEnv::virtual_placed(device, u, p.clone()),
+            None => GpuEnv::virtual_clock(device, u),
+        },
         GpuEnv::finish,
     )
 }
@@ -671,6 +726,14 @@ pub fn run_on_gpu(
     let file = ConformanceFile::parse(config_text, origin)?;
     let profile = parse_profile(profile_text, &file.conformance.profile)?;
     let reqs = workload(&file)?;
+    let devices =
+        cudarc::driver::CudaContext::device_count().map_err(crate::backend::BackendError::from)?;
+    file.check_placement_fits(devices.max(0) as usize)?;
+    if file.placement().physical_ordinals().len() > 1 {
+        return Err(ConformanceError::Device(
+            "the placement uses several physical GPUs: run it with run_on_gpus".into(),
+        ));
+    }
     if b.config().unit_devices != file.backend_config().unit_devices {
         return Err(ConformanceError::Device(
             "the backend was not built from the config's backend_config()".into(),
@@ -702,6 +765,13 @@ pub fn run_on_gpu_wall(
     commit: &str,
 ) -> Result<Record, ConformanceError> {
     let file = ConformanceFile::parse(config_text, origin)?;
+    if file.own_gpus() || file.placement().physical_ordinals().len() > 1 {
+        return Err(ConformanceError::Device(
+            "the wall clock runs every device of the unit on one device thread (one GPU); a \
+             placement with GPUs of their own runs on the virtual clock"
+                .into(),
+        ));
+    }
     let profile = parse_profile(profile_text, &file.conformance.profile)?;
     let reqs = workload(&file)?;
     let name = gpu.name();
@@ -753,14 +823,29 @@ fn warm_up(
     file: &ConformanceFile,
     profile: &HardwareProfile,
 ) -> Result<(), ConformanceError> {
+    warm_up_ladder(b, file)?;
+    if let Some(seed) = file.conformance.warmup_run_seed {
+        let reqs = workload_with_seed(file, seed)?;
+        run_virtual(file, profile, &reqs, b)?;
+        b.reset();
+    }
+    Ok(())
+}
+
+/// The ladder of [`warm_up`], `warmup_steps` times, on the kinds of device `b` holds (a
+/// backend of several GPUs' may hold only prefill engines or only decode groups), then a reset.
+fn warm_up_ladder(b: &mut CudaBackend, file: &ConformanceFile) -> Result<(), ConformanceError> {
     let mut report = StepReport::default();
-    let plans = warm_up_plans(&b.config().model, file);
+    let split = b.config().unit_devices;
+    let decode = split.is_none_or(|(_, g)| g > 0);
+    let plans = ladder_for(warm_up_plans(&b.config().model, file), split);
     for _ in 0..file.conformance.warmup_steps {
         for plan in &plans {
             b.try_execute(plan, &mut report)?;
             // The handoff copy's kernels too: the prefill's KV to decode group 0.
             if let StepPlan::Prefill(p) = plan
-                && b.config().unit_devices.is_some()
+                && split.is_some()
+                && decode
             {
                 b.handoff(p.chunks[0].request.0, 0)?;
             }
@@ -768,12 +853,81 @@ fn warm_up(
         }
     }
     b.reset();
-    if let Some(seed) = file.conformance.warmup_run_seed {
-        let reqs = workload_with_seed(file, seed)?;
-        run_virtual(file, profile, &reqs, b)?;
-        b.reset();
-    }
     Ok(())
+}
+
+/// The ladder's plans a backend holding `split` (prefill engines, decode groups) can run.
+fn ladder_for(plans: Vec<StepPlan>, split: Option<(u32, u32)>) -> Vec<StepPlan> {
+    let (prefill, decode) = split.map_or((true, true), |(p, g)| (p > 0, g > 0));
+    plans
+        .into_iter()
+        .filter(|p| match p {
+            StepPlan::Prefill(_) => prefill,
+            StepPlan::Decode(_) => decode,
+        })
+        .collect()
+}
+
+/// Part 1 on several GPUs, on the virtual clock: the placement's devices on one backend per
+/// physical ordinal ([`MultiGpuDevice`]; `gpus[i]` the context of the placement's i-th
+/// ordinal, ascending), handoffs between backends as peer copies. Each backend is warmed up
+/// with the ladder of the devices it holds, then the throwaway run (`warmup_run_seed`) goes
+/// through the whole device.
+pub fn run_on_gpus(
+    gpus: Vec<std::sync::Arc<servelab_kernels::GpuContext>>,
+    config_text: &str,
+    origin: &str,
+    profile_text: &str,
+    date: &str,
+    commit: &str,
+) -> Result<Record, ConformanceError> {
+    let file = ConformanceFile::parse(config_text, origin)?;
+    let profile = parse_profile(profile_text, &file.conformance.profile)?;
+    let reqs = workload(&file)?;
+    file.check_placement_fits(gpus.len())?;
+    if !file.conformance.handoff.copy {
+        return Err(ConformanceError::Device(
+            "a placement over several GPUs needs conformance.handoff.copy = true (each GPU \
+             its own pool)"
+                .into(),
+        ));
+    }
+    let (map, ordinals) =
+        DeviceMap::by_ordinal(&file.placement()).map_err(ConformanceError::Device)?;
+    if ordinals.len() != gpus.len() {
+        return Err(ConformanceError::Device(format!(
+            "{} GPU contexts for the placement's ordinals {ordinals:?}",
+            gpus.len()
+        )));
+    }
+    let name = format!("{} x {}", gpus.len(), gpus[0].name());
+    let mut backends = Vec::with_capacity(gpus.len());
+    for (gpu, &local) in gpus.into_iter().zip(&map.local) {
+        gpu.ctx
+            .bind_to_thread()
+            .map_err(crate::backend::BackendError::from)?;
+        let cfg = BackendConfig {
+            unit_devices: Some(local),
+            ..file.backend_config()
+        };
+        let mut b = CudaBackend::new(gpu, cfg)?;
+        warm_up_ladder(&mut b, &file)?;
+        backends.push(b);
+    }
+    let mut dev = MultiGpuDevice::new(map, backends).map_err(ConformanceError::Device)?;
+    if let Some(seed) = file.conformance.warmup_run_seed {
+        run_virtual(&file, &profile, &workload_with_seed(&file, seed)?, &mut dev)?;
+        dev.reset();
+    }
+    let (run, _) = run_virtual(&file, &profile, &reqs, &mut dev)?;
+    Ok(Record {
+        config: config_text.to_string(),
+        policy_profile: profile_text.to_string(),
+        gpu: name,
+        date: date.to_string(),
+        commit: commit.to_string(),
+        run,
+    })
 }
 
 /// The warm-up ladder: one prefill per chunk size, cold and over a prefix, and one decode step per
@@ -994,15 +1148,7 @@ think_time_s = { kind = "fixed", value = 0.2 }
 
     /// The whole unit: two prefill engines behind the tiered balancer, two decode groups.
     fn wide_file() -> ConformanceFile {
-        let text = CONFIG.replace(
-            "\n[workload.agent]",
-            "\n[conformance.prefill]\ngpus = 2\nlb = { kind = \"tiered\", tier_bounds_tokens = [1000], \
-             round = \"100ms\", quota = \"1ms\", steal_when_idle = true }\n\n\
-             [conformance.decode]\ngroups = 2\nscheduling = \"async\"\n\n[workload.agent]",
-        )
-        // Sessions start together, so the engines and groups have work at once.
-        .replace("session_rate_per_s = 5.0", "session_rate_per_s = 5000.0");
-        ConformanceFile::parse(&text, "wide.toml").unwrap()
+        ConformanceFile::parse(&wide_text(), "wide.toml").unwrap()
     }
 
     fn dry(f: &ConformanceFile) -> (RunOutcome, ServiceReport) {
@@ -1028,6 +1174,28 @@ think_time_s = { kind = "fixed", value = 0.2 }
                 crate::backend::check_prefill_plan(p).unwrap();
             }
         }
+    }
+
+    /// A backend of prefill engines only warms up prefill plans, one of decode groups only
+    /// decode plans.
+    #[test]
+    fn the_ladder_follows_the_devices_a_backend_holds() {
+        let f = file();
+        let all = warm_up_plans(&f.backend.model, &f);
+        let n = all.len();
+        let prefills = all
+            .iter()
+            .filter(|p| matches!(p, StepPlan::Prefill(_)))
+            .count();
+        assert!(prefills > 0 && prefills < n);
+        assert_eq!(ladder_for(all.clone(), None).len(), n);
+        assert_eq!(ladder_for(all.clone(), Some((1, 1))).len(), n);
+        let p = ladder_for(all.clone(), Some((2, 0)));
+        assert_eq!(p.len(), prefills);
+        assert!(p.iter().all(|p| matches!(p, StepPlan::Prefill(_))));
+        let d = ladder_for(all, Some((0, 1)));
+        assert_eq!(d.len(), n - prefills);
+        assert!(d.iter().all(|p| matches!(p, StepPlan::Decode(_))));
     }
 
     #[test]
@@ -1336,6 +1504,143 @@ think_time_s = { kind = "fixed", value = 0.2 }
                 .any(|m| m.contains("handoff 0")),
             "{check:?}"
         );
+    }
+
+    /// The wide unit with `placement` appended as its `[placement]` table.
+    fn placed_file(placement: &str) -> ConformanceFile {
+        let f = wide_file();
+        let text = format!("{}\n[placement]\n{placement}", wide_text());
+        let placed = ConformanceFile::parse(&text, "placed.toml").unwrap();
+        assert_eq!(placed.conformance.prefill.gpus, f.conformance.prefill.gpus);
+        placed
+    }
+
+    /// The whole unit's config text; sessions start together, so the engines and groups have
+    /// work at once.
+    fn wide_text() -> String {
+        CONFIG
+            .replace(
+                "\n[workload.agent]",
+                "\n[conformance.prefill]\ngpus = 2\nlb = { kind = \"tiered\", tier_bounds_tokens = \
+                 [1000], round = \"100ms\", quota = \"1ms\", steal_when_idle = true }\n\n\
+                 [conformance.decode]\ngroups = 2\nscheduling = \"async\"\n\n[workload.agent]",
+            )
+            .replace("session_rate_per_s = 5.0", "session_rate_per_s = 5000.0")
+    }
+
+    /// Each step starts after the previous step of every GPU of its device ended, and never
+    /// before its planned start.
+    fn check_per_gpu_fifo(run: &RunOutcome, p: &PlacementConfig) {
+        let mut free = vec![0u64; p.gpus as usize];
+        for s in &run.steps {
+            let begin = s.start_ns + s.queued_ns;
+            let gpus = p.gpus_of(s.device.unwrap());
+            for &g in gpus {
+                assert!(begin >= free[g as usize], "GPU {g}: {s:?}");
+            }
+            assert_eq!(s.end_ns, begin + s.duration_ns.max(1));
+            for &g in gpus {
+                free[g as usize] = s.end_ns;
+            }
+        }
+    }
+
+    /// Prefill engines and decode groups on GPUs of their own (four logical GPUs on ordinal 0):
+    /// steps of different devices overlap, each GPU stays FIFO, every handoff is a peer copy
+    /// beside the compute, the run ends no later than on the one shared GPU, and the record
+    /// replays with 0 mismatched plans.
+    #[test]
+    fn a_disaggregated_placement_overlaps_and_replays() {
+        let f = placed_file(
+            "gpus = 4\nordinals = [0, 0, 0, 0]\nprefill = [[0], [1]]\ndecode = [[2], [3]]\n",
+        );
+        assert!(f.own_gpus() && !wide_file().own_gpus());
+        let reqs = workload(&f).unwrap();
+        let model = HandoffSection {
+            copy: true,
+            bytes_per_s: 1e9,
+            latency: Nanos::from_micros(200),
+        };
+        let mut dev = ModelDevice::new(profile(), 0.75, 3).with_handoff(&model);
+        let (run, report) = run_virtual(&f, &profile(), &reqs, &mut dev).unwrap();
+        assert_eq!(report.completed, 9);
+        assert_eq!(run.placement.as_ref(), Some(&f.placement()));
+        check_per_gpu_fifo(&run, &f.placement());
+        let overlapping = run
+            .steps
+            .windows(2)
+            .any(|w| w[0].device != w[1].device && w[1].start_ns + w[1].queued_ns < w[0].end_ns);
+        assert!(overlapping, "no two devices' steps overlapped");
+        assert!(!run.handoffs.is_empty() && run.handoffs.iter().all(|h| h.peer));
+        for h in &run.handoffs {
+            assert_eq!(h.end_ns, h.start_ns + h.queued_ns + h.duration_ns, "{h:?}");
+            assert!(h.bytes_per_s() > 0.0);
+        }
+        let mut dev = ModelDevice::new(profile(), 0.75, 3).with_handoff(&model);
+        let (shared, _) = run_virtual(&wide_file(), &profile(), &reqs, &mut dev).unwrap();
+        assert!(shared.handoffs.iter().all(|h| !h.peer));
+        assert!(
+            run.end_ns <= shared.end_ns,
+            "{} > {}",
+            run.end_ns,
+            shared.end_ns
+        );
+        let check = replay(&f, &run);
+        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+        assert!(check.outcomes_identical);
+        // Through JSON, placement included.
+        let back: RunOutcome = serde_json::from_str(&serde_json::to_string(&run).unwrap()).unwrap();
+        assert_eq!(back, run);
+    }
+
+    /// Decode groups of two EP ranks on two GPUs each: the unit plans two ranks per group, a
+    /// group's step holds both its GPUs, and the record replays exactly.
+    #[test]
+    fn decode_groups_span_their_gpus() {
+        let f = placed_file(
+            "gpus = 6\nordinals = [0, 0, 0, 0, 0, 0]\nprefill = [[0], [1]]\ndecode = [[2, 3], [4, 5]]\n",
+        );
+        assert_eq!(f.decode_ranks(), 2);
+        assert_eq!(f.unit_config(&profile()).unwrap().decode.ranks, 2);
+        let (run, report) = dry(&f);
+        assert_eq!(report.completed, 9);
+        assert!(
+            run.steps
+                .iter()
+                .any(|s| matches!(&s.plan, StepPlan::Decode(d) if d.ranks.len() == 2))
+        );
+        check_per_gpu_fifo(&run, &f.placement());
+        let check = replay(&f, &run);
+        assert_eq!(check.mismatched_steps, 0, "{:?}", check.first_mismatches);
+        assert!(check.outcomes_identical);
+    }
+
+    /// A placement that does not fit the unit or the machine names its field.
+    #[test]
+    fn placement_errors_name_the_field() {
+        let text = format!(
+            "{}\n[placement]\ngpus = 3\nprefill = [[0]]\ndecode = [[1], [2]]\n",
+            wide_text()
+        );
+        let e = ConformanceFile::parse(&text, "p.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("placement.prefill") && e.contains("2 prefill engines"),
+            "{e}"
+        );
+        let text = format!(
+            "{}\n[placement]\ngpus = 4\nprefill = [[0], [1]]\ndecode = [[2], [3]]\nextra = 1\n",
+            wide_text()
+        );
+        let e = ConformanceFile::parse(&text, "p.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("extra"), "{e}");
+        let f = placed_file("gpus = 4\nprefill = [[0], [1]]\ndecode = [[2], [3]]\n");
+        let e = f.check_placement_fits(1).unwrap_err().to_string();
+        assert!(e.contains("placement.ordinals"), "{e}");
+        f.check_placement_fits(4).unwrap();
     }
 
     /// The config's handoff section: the default copies, errors name the field, and the

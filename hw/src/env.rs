@@ -3,15 +3,19 @@
 //! ([`servelab_core::unit::run`]) joins them. No serving logic lives here.
 //!
 //! - Arrivals are released from the workload by arrival time.
-//! - `Launch`: every device of the unit (prefill engines, decode groups) shares the one GPU, so
-//!   launched steps queue FIFO and run one at a time; a step starts at the later of its planned
-//!   start and the end of the step before it.
+//! - `Launch`: each device of the unit (prefill engines, decode groups) runs on the GPUs of a
+//!   placement ([`crate::placement`]; by default all share the one GPU). Each logical GPU
+//!   keeps a FIFO queue on the virtual clock: a step starts at the later of its planned start
+//!   and the end of the step before it on every GPU of its device, so steps of devices on
+//!   different GPUs overlap. The wall clock runs every device on one device thread (one
+//!   physical GPU).
 //! - `Fetch`: the hit prefix is in the pinned host tier and the backend swaps it in inside the
 //!   prefill step (its cost is in the step), and the SWA state sits in the same host's tier,
 //!   so the prefix is ready at once.
 //! - `Handoff`: each prefill engine and each decode group has its own KV region on the GPU
 //!   (`backend.unit_devices`), so the request's KV blocks and SWA ring are copied device to
-//!   device from its prefill engine's region into a decode group's, queued FIFO with the steps.
+//!   device from its prefill engine's region into a decode group's, queued FIFO with the steps
+//!   of a GPU both devices share, or on the source GPU's copy engine when they share none.
 //!   The copy's measured duration decides when `HandoffDone` comes (virtual clock: its
 //!   CUDA-event time after the GPU's earlier work; wall clock: when the device thread has done
 //!   it). The unit picks the group when `HandoffDone` arrives, so the copy goes to the group
@@ -39,6 +43,7 @@ use servelab_core::unit::{
 
 use crate::clock::{ClockKind, Job, WallDevice, Work};
 pub use crate::clock::{HandoffJob, UnitDevice};
+use crate::placement::{PlacementConfig, Timelines};
 
 /// One executed plan and the device's answer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -107,6 +112,21 @@ pub struct RecordedHandoff {
     pub duration_ns: u64,
     /// When `HandoffDone` was fed (0: not fed).
     pub end_ns: u64,
+    /// The placement put the two devices on different GPUs: a peer copy between GPUs in the
+    /// deployment (on a machine with fewer GPUs than the placement, the copy that ran and was
+    /// timed is the one between the devices' regions on the physical GPU).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub peer: bool,
+}
+
+impl RecordedHandoff {
+    /// Bytes the device copied per second of its measured copy time (0: nothing timed).
+    pub fn bytes_per_s(&self) -> f64 {
+        if self.duration_ns == 0 {
+            return 0.0;
+        }
+        self.bytes as f64 / (self.duration_ns as f64 * 1e-9)
+    }
 }
 
 /// One input the unit handled. A step's end is not repeated here: `StepDone` entries name
@@ -173,6 +193,10 @@ pub struct RunOutcome {
     /// pool, whose handoffs were answered at once).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub handoffs: Vec<RecordedHandoff>,
+    /// The GPUs the unit's devices ran on (virtual clock; absent in records from before
+    /// placements, whose devices all shared the one GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementConfig>,
 }
 
 impl RunOutcome {
@@ -187,6 +211,7 @@ impl RunOutcome {
             pinned_cpu: None,
             inputs: Vec::new(),
             handoffs: Vec::new(),
+            placement: None,
         }
     }
 }
@@ -222,7 +247,8 @@ enum Gpu<'d> {
     /// The device on the caller's thread.
     Virtual {
         run: &'d mut dyn UnitDevice,
-        free_at: Nanos,
+        /// When each logical GPU of the placement is free.
+        lines: Timelines,
     },
     Wall(WallDevice<String>),
 }
@@ -255,16 +281,36 @@ pub struct GpuEnv<'d> {
 }
 
 impl<'d> GpuEnv<'d> {
-    /// On the virtual clock, with `run` the GPU (or a stand-in) on this thread.
+    /// On the virtual clock, with `run` the GPU (or a stand-in) on this thread, every device of
+    /// the unit sharing the one GPU.
     pub fn virtual_clock(run: &'d mut dyn UnitDevice, unit: &ServingUnit) -> Self {
-        Self::new(
+        let c = unit.config();
+        let shared = PlacementConfig::shared(c.prefill.gpus, c.decode.groups);
+        let mut env = Self::virtual_placed(run, unit, shared);
+        // Records of the one shared GPU stay as they were before placements.
+        env.run.placement = None;
+        env
+    }
+
+    /// On the virtual clock with the unit's devices on the GPUs of `placement`: each logical
+    /// GPU keeps its own FIFO timeline, so steps of devices on different GPUs overlap, and a
+    /// handoff between devices with no GPU in common runs on the source GPU's copy engine
+    /// ([`Timelines`]). The placement must have been validated against the unit.
+    pub fn virtual_placed(
+        run: &'d mut dyn UnitDevice,
+        unit: &ServingUnit,
+        placement: PlacementConfig,
+    ) -> Self {
+        let mut env = Self::new(
             Gpu::Virtual {
                 run,
-                free_at: Nanos::ZERO,
+                lines: Timelines::new(placement.clone()),
             },
             unit,
             ClockKind::Virtual,
-        )
+        );
+        env.run.placement = Some(placement);
+        env
     }
 
     /// On the wall clock, with the device on its thread (times from when it was ready).
@@ -417,17 +463,22 @@ impl<'d> GpuEnv<'d> {
             queued_ns: 0,
             duration_ns: 0,
             end_ns: 0,
+            peer: false,
         });
         self.handoffs_open.insert(i, k);
         match &mut self.gpu {
-            Gpu::Virtual { run, free_at } => {
+            Gpu::Virtual { run, lines } => {
                 let copy = run.handoff(&job).map_err(RunError::Environment)?;
                 let mut at = now;
                 if copy.duration_ns > 0 {
-                    let begin = now.max(*free_at);
-                    at = begin + Nanos(copy.duration_ns);
-                    *free_at = at;
-                    self.run.handoffs[k].queued_ns = (begin - now).0;
+                    let (from, to) = (
+                        DeviceId::Prefill(job.from_engine),
+                        DeviceId::Decode(job.to_group),
+                    );
+                    let slot = lines.handoff(from, to, now, Nanos(copy.duration_ns));
+                    self.run.handoffs[k].peer = !lines.placement().share_a_gpu(from, to);
+                    at = slot.end;
+                    self.run.handoffs[k].queued_ns = (slot.begin - now).0;
                 }
                 self.fill_handoff(k, &copy);
                 self.push(at, Input::HandoffDone(i));
@@ -603,13 +654,12 @@ impl<'d> GpuEnv<'d> {
         });
         self.open.push_back((device, k));
         let ran = match &mut self.gpu {
-            Gpu::Virtual { run, free_at } => {
-                let begin = start.max(*free_at);
+            Gpu::Virtual { run, lines } => {
                 run.step(plan, report).map_err(RunError::Environment)?;
-                // A step always moves time forward, whatever the device says.
-                let end = begin + report.duration.max(Nanos(1));
-                *free_at = end;
-                Some((begin, end))
+                // A step always moves time forward, whatever the device says (the timeline
+                // gives it at least 1 ns).
+                let slot = lines.step(device, start, report.duration);
+                Some((slot.begin, slot.end))
             }
             Gpu::Wall(dev) => {
                 let job = Job {

@@ -369,6 +369,8 @@ struct Ctx<'a> {
     /// Size the routed experts on the device ([`PaddedMoe`]) instead of from counts copied
     /// back to the host every layer.
     padded_moe: bool,
+    /// Routed rows per (layer, expert), summed over steps, when the backend logs routing.
+    route_log: Option<&'a std::cell::RefCell<Vec<Vec<u64>>>>,
 }
 
 impl Ctx<'_> {
@@ -490,7 +492,7 @@ fn layer(
     }
     k.norm
         .run(g, &sc.h, &lw.ffn_norm, t, hd, m.norm_eps, &mut sc.xn)?;
-    moe(c, lw, t, sc)?;
+    moe(c, lw, ring_layer, t, sc)?;
     k.ops.add(g, &mut sc.h, &sc.moe_out, t * hd)?;
     Ok(())
 }
@@ -748,7 +750,13 @@ fn cross_attention(
 /// `c.padded_moe` the experts are sized on the device ([`moe_padded`]); otherwise the
 /// per-expert row counts come back to the host (one small synchronous copy per layer) to size
 /// each expert's GEMM.
-fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(), BackendError> {
+fn moe(
+    c: &Ctx<'_>,
+    lw: &LayerWeights,
+    layer: usize,
+    t: usize,
+    sc: &mut Scratch,
+) -> Result<(), BackendError> {
     let (g, k, m) = (c.gpu, c.k, c.m);
     let (hd, e) = (m.hidden, m.experts);
     c.mark(Phase::Gemm)?;
@@ -758,7 +766,7 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
     if c.padded_moe {
         moe_padded(c, lw, t, sc)?;
     } else {
-        moe_host_sized(c, lw, t, sc)?;
+        moe_host_sized(c, lw, layer, t, sc)?;
     }
     shared_expert(c, lw, t, sc)
 }
@@ -768,6 +776,7 @@ fn moe(c: &Ctx<'_>, lw: &LayerWeights, t: usize, sc: &mut Scratch) -> Result<(),
 fn moe_host_sized(
     c: &Ctx<'_>,
     lw: &LayerWeights,
+    layer: usize,
     t: usize,
     sc: &mut Scratch,
 ) -> Result<(), BackendError> {
@@ -775,6 +784,15 @@ fn moe_host_sized(
     let (hd, f) = (m.hidden, m.expert_ffn);
     k.router.route_into(g, &sc.rl_f, t, true, &mut sc.routing)?;
     let counts: Vec<i32> = g.stream.clone_dtoh(&sc.routing.counts)?;
+    if let Some(log) = c.route_log {
+        let mut log = log.borrow_mut();
+        if log.len() <= layer {
+            log.resize(layer + 1, vec![0; counts.len()]);
+        }
+        for (sum, &n) in log[layer].iter_mut().zip(&counts) {
+            *sum += n.max(0) as u64;
+        }
+    }
     if t >= LANE_MIN_TOKENS && sc.lanes.is_empty() {
         for _ in 0..EXPERT_LANES {
             sc.lanes.push(g.on_new_stream()?);
@@ -1217,6 +1235,7 @@ fn ctx(b: &CudaBackend, padded_moe: bool) -> Ctx<'_> {
         global_layout: b.global_layout(),
         phases: b.phases.as_ref(),
         padded_moe,
+        route_log: b.route_log.as_ref(),
     }
 }
 
@@ -1237,6 +1256,7 @@ fn run_stack(
         global_layout: b.global_layout(),
         phases: b.phases.as_ref(),
         padded_moe: inp.padded_moe,
+        route_log: b.route_log.as_ref(),
     };
     let (layers, first, own) = match stack {
         Stack::Encoder { global_slots } => (&b.w.encoder, 0, Some(*global_slots)),

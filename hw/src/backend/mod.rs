@@ -26,6 +26,7 @@
 pub mod disk;
 pub mod model;
 pub mod tiers;
+mod transfer;
 
 pub(crate) mod forward;
 
@@ -183,7 +184,7 @@ impl BackendConfig {
     }
 
     /// Elements of one SWA ring slot: two blocks of every layer.
-    fn ring_slot_elems(&self) -> usize {
+    pub(crate) fn ring_slot_elems(&self) -> usize {
         2 * self.model.layers() * self.model.block_size * self.model.kv_row()
     }
 }
@@ -282,6 +283,8 @@ pub struct CudaBackend {
     pub(crate) decode_mode: DecodeMode,
     /// Kept inputs, outputs and graphs of device-bound decode steps.
     pub(crate) decode_bufs: Option<forward::DecodeBuffers>,
+    /// Routed rows per (layer, expert) since logging was turned on ([`Self::log_routing`]).
+    pub(crate) route_log: Option<std::cell::RefCell<Vec<Vec<u64>>>>,
 }
 
 impl CudaBackend {
@@ -402,6 +405,7 @@ impl CudaBackend {
             decode_end: None,
             decode_mode: DecodeMode::Eager,
             decode_bufs: None,
+            route_log: None,
         })
     }
 
@@ -445,6 +449,19 @@ impl CudaBackend {
             .as_ref()
             .map(|d| d.stats)
             .unwrap_or_default()
+    }
+
+    /// Counts the rows the router sends to each expert of each layer (`on`; off drops the
+    /// counts). Only the eager decode mode and prefill steps count: the device-sized modes
+    /// never bring the counts to the host.
+    pub fn log_routing(&mut self, on: bool) {
+        self.route_log = on.then(Default::default);
+    }
+
+    /// Routed rows per (layer, expert) since [`Self::log_routing`], up to the last layer that
+    /// routed anything.
+    pub fn routed_counts(&self) -> Option<Vec<Vec<u64>>> {
+        self.route_log.as_ref().map(|l| l.borrow().clone())
     }
 
     /// Diagnostic: records an event at every phase boundary of each step (GEMMs, global
@@ -987,13 +1004,13 @@ impl Backend for CudaBackend {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use servelab_core::engine::plan::{DecodeRankPlan, DecodeSeq, PrefillChunk};
     use servelab_core::ids::{EngineId, RequestId};
 
     /// A small GQA model (2 KV heads x 4 x d 64), which the tensor-core prefill kernel takes.
-    fn tiny() -> BackendConfig {
+    pub(crate) fn tiny() -> BackendConfig {
         let m = tiny_mla().model.gqa(2, 4, 64);
         BackendConfig {
             model: m,
@@ -1271,6 +1288,56 @@ mod tests {
             .fold(0.0f32, f32::max);
         println!("decode after the handoff vs one shared pool: max abs logit diff {max:.3e}");
         assert!(max <= 1e-3, "max diff {max}");
+    }
+
+    /// The routing log counts every routed row of a prefill chunk (tokens x top-k in each
+    /// encoder layer, the replayed tokens x top-k in each decoder layer), and those real
+    /// counts give the expert imbalance over EP ranks with and without EPLB's replicas.
+    #[test]
+    fn gpu_routing_log_counts_every_route() {
+        let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
+            return;
+        };
+        let mut cfg = BackendConfig {
+            hbm_blocks: 64,
+            ..tiny()
+        };
+        cfg.model.experts = 64;
+        cfg.model.top_k = 6;
+        let m = cfg.model.clone();
+        let mut b = CudaBackend::new(Arc::new(gpu), cfg).unwrap();
+        b.log_routing(true);
+        let (new, replay) = (4096u32, 140u32);
+        let plan = StepPlan::Prefill(PrefillPlan {
+            engine: EngineId(0),
+            chunks: vec![PrefillChunk {
+                request: RequestId(3),
+                new_tokens: new,
+                prefix_tokens: 0,
+                new_token_layers: m.encoder_layers as u32,
+                decoder_tokens: replay,
+                decoder_layers: m.decoder_layers as u32,
+                swap_in_bytes: 0,
+            }],
+            expert_imbalance: 1.0,
+        });
+        b.try_execute(&plan, &mut StepReport::default()).unwrap();
+        let counts = b.routed_counts().unwrap();
+        assert_eq!(counts.len(), m.layers());
+        for (l, c) in counts.iter().enumerate() {
+            let tokens = if l < m.encoder_layers { new } else { replay };
+            assert_eq!(c.iter().sum::<u64>(), u64::from(tokens) * 6, "layer {l}");
+        }
+        for ranks in [2, 4, 8] {
+            let (plain, eplb) = crate::ep::eplb_imbalance(&counts, ranks, 1).unwrap();
+            println!(
+                "routing imbalance over {ranks} ranks ({} layers, 64 experts top-6): {plain:.3} \
+                 without EPLB, {eplb:.3} with 1 redundant expert per rank",
+                counts.len()
+            );
+        }
+        b.log_routing(false);
+        assert!(b.routed_counts().is_none());
     }
 
     /// Prefill, decode with verification, and enough sequences to force swap-out and swap-in,
