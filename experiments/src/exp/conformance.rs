@@ -49,11 +49,36 @@ pub fn matched_acceptance(file: &ConformanceFile) -> AcceptanceModel {
     }
 }
 
+/// The simulator's model of the run's placement: every device on GPUs of its own
+/// (`own-gpus`), or every device on the one GPU (`one-gpu`). A placement in between (some
+/// devices sharing a GPU, others not) has no model in the simulator.
+fn sim_placement(file: &ConformanceFile) -> Result<Placement, ConformanceError> {
+    if file.own_gpus() {
+        return Ok(Placement::OwnGpus);
+    }
+    let p = file.placement();
+    let mut lists = p.prefill.iter().chain(&p.decode);
+    let first = lists.next().cloned();
+    let shared =
+        first.as_ref().is_none_or(|f| f.len() == 1) && lists.all(|l| Some(l) == first.as_ref());
+    if shared {
+        Ok(Placement::OneGpu)
+    } else {
+        Err(ConfigError::invalid(
+            "placement",
+            "the simulator models a unit whose devices all share one GPU or each have GPUs of \
+             their own; this placement is neither",
+        )
+        .into())
+    }
+}
+
 /// The service config of the conformance unit: the same [`servelab_core::unit::UnitConfig`]
 /// (pools, policies, cost models), and an environment that matches one GPU host: the prefix
 /// is in host memory and swapped in inside the prefill step (no store read time, overlapped
 /// swap-in in the cost model), the handoff a device-to-device copy timed by the config's
-/// handoff model (no link time where the pool is shared), no MoE skew.
+/// handoff model (no link time where the pool is shared), no MoE skew, and
+/// the run's placement.
 pub fn service_config(
     file: &ConformanceFile,
     profile: &HardwareProfile,
@@ -93,8 +118,7 @@ pub fn service_config(
         acceptance: matched_acceptance(file),
         moe: MoeImbalance::Fixed,
         arrivals: Default::default(),
-        // The GPU engine runs every device of the unit on the one GPU.
-        placement: Placement::OneGpu,
+        placement: sim_placement(file)?,
         warmup: unit.warmup,
         measure_until: unit.measure_until,
         series_interval: unit.series_interval,
@@ -507,6 +531,10 @@ pub struct Analysis {
     pub decode_steps: usize,
     pub prefill_engines: u32,
     pub decode_groups: u32,
+    /// EP ranks of each decode group (its GPUs in the placement).
+    pub decode_ranks: u32,
+    /// Where the devices ran: "all on the one GPU", or the placement's GPU count.
+    pub placement: String,
     /// The GPU run's clock: on the wall clock its times (run length, TTFT, TPOT) are wall times.
     pub clock: ClockKind,
     pub pinned_cpu: Option<usize>,
@@ -565,6 +593,8 @@ pub fn analyze(
         decode_steps: count(true),
         prefill_engines: c.prefill.gpus,
         decode_groups: c.decode.groups,
+        decode_ranks: file.decode_ranks(),
+        placement: placement_words(&file),
         clock: run.clock,
         pinned_cpu: run.pinned_cpu,
         gpu_run_ms: run.end_ns as f64 / 1e6,
@@ -607,7 +637,11 @@ fn simulate_with_run(
     let mut sim = gpu.clone();
     sim.requests = request_outcomes(reqs, &report.requests);
     let service = SimRun {
-        environment: "simulator (VirtualEnv, the devices on one GPU)",
+        environment: if file.own_gpus() {
+            "simulator (VirtualEnv, each device on GPUs of its own)"
+        } else {
+            "simulator (VirtualEnv, the devices on one GPU)"
+        },
         run_ms: report.simulated_s * 1e3,
         completed: report.completed,
         rejected: report.rejected_total(),
@@ -620,7 +654,11 @@ fn simulate_with_run(
     };
     let (shared, report) = hwc::run_virtual(file, profile, reqs, &mut device)?;
     let one_gpu = SimRun {
-        environment: "GPU environment, cost-model device (devices share one GPU)",
+        environment: if file.own_gpus() {
+            "GPU environment, cost-model device (the run's placement)"
+        } else {
+            "GPU environment, cost-model device (devices share one GPU)"
+        },
         run_ms: shared.end_ns as f64 / 1e6,
         completed: report.completed,
         rejected: report.rejected_total(),
@@ -747,6 +785,18 @@ fn sensitivity_table(rows: &[Sensitivity]) -> String {
     s
 }
 
+/// The run's placement in words for the report.
+fn placement_words(file: &ConformanceFile) -> String {
+    let p = file.placement();
+    if file.own_gpus() {
+        format!("each on GPUs of its own ({} logical GPUs)", p.gpus)
+    } else if p.gpus == 1 {
+        "all on the one GPU".to_string()
+    } else {
+        format!("placed on {} logical GPUs, some shared", p.gpus)
+    }
+}
+
 fn header(a: &Analysis) -> String {
     let h = &a.host;
     let clock = match a.clock {
@@ -768,13 +818,13 @@ fn header(a: &Analysis) -> String {
             }
         ),
         ClockKind::Virtual => "Clock: **virtual**. Time moved by the CUDA-event step durations \
-                               (steps queued FIFO on the one GPU); host time is not counted.\n\n"
+                               (steps queued FIFO on each GPU); host time is not counted.\n\n"
             .to_string(),
     };
     format!(
         "# Conformance: the serving unit on the GPU vs in the simulator (SPEC §16)\n\n\
          GPU: {}; date {}; commit {}; profile `{}`.\n\n\
-         Unit: {} prefill engine(s) and {} one-rank decode group(s), all on the one GPU. \
+         Unit: {} prefill engine(s) and {} decode group(s) of {} rank(s), {}. \
          {} requests, {} prompt tokens ({} hit, {:.1}%); {} steps ({} prefill, {} decode); \
          GPU run {:.1} ms on its clock ({:.1} ms of device time in steps).\n\n{clock}",
         a.gpu,
@@ -783,6 +833,8 @@ fn header(a: &Analysis) -> String {
         a.profile,
         a.prefill_engines,
         a.decode_groups,
+        a.decode_ranks,
+        a.placement,
         a.requests,
         a.prompt_tokens,
         a.hit_tokens,
@@ -927,5 +979,35 @@ mod tests {
              round = \"1s\", quota = \"50ms\", steal_when_idle = true }\n\n\
              [conformance.decode]\ngroups = 2\n\n[conformance.swa]",
         )
+    }
+
+    /// The simulator models the run's placement: the one GPU without `[placement]` (or with
+    /// every device on one GPU), `own-gpus` where no GPU holds two devices, and no model for
+    /// a placement in between.
+    #[test]
+    fn the_simulator_takes_the_runs_placement() {
+        let p = HardwareProfile::resolve("sm100-published").unwrap();
+        let placed = |table: &str| {
+            let text = format!("{}\n[placement]\n{table}", wide(&small(CONFIG)));
+            ConformanceFile::parse(&text, "placed.toml").unwrap()
+        };
+        let plain = ConformanceFile::parse(&wide(&small(CONFIG)), "c.toml").unwrap();
+        assert_eq!(
+            service_config(&plain, &p).unwrap().placement,
+            Placement::OneGpu
+        );
+        let own = placed("gpus = 4\nprefill = [[0], [1]]\ndecode = [[2], [3]]\n");
+        assert_eq!(
+            service_config(&own, &p).unwrap().placement,
+            Placement::OwnGpus
+        );
+        let one = placed("gpus = 1\nprefill = [[0], [0]]\ndecode = [[0], [0]]\n");
+        assert_eq!(
+            service_config(&one, &p).unwrap().placement,
+            Placement::OneGpu
+        );
+        let mixed = placed("gpus = 3\nprefill = [[0], [0]]\ndecode = [[1], [2]]\n");
+        let e = service_config(&mixed, &p).unwrap_err().to_string();
+        assert!(e.contains("placement") && e.contains("neither"), "{e}");
     }
 }
