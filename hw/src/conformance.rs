@@ -712,6 +712,40 @@ pub fn dry_run(file: &ConformanceFile, profile_text: &str) -> Result<Record, Con
     })
 }
 
+/// What every GPU run of part 1 starts from: the config, the policies' profile and the
+/// config's workload.
+fn run_inputs(
+    config_text: &str,
+    origin: &str,
+    profile_text: &str,
+) -> Result<(ConformanceFile, HardwareProfile, Vec<Request>), ConformanceError> {
+    let file = ConformanceFile::parse(config_text, origin)?;
+    let profile = parse_profile(profile_text, &file.conformance.profile)?;
+    let reqs = workload(&file)?;
+    Ok((file, profile, reqs))
+}
+
+impl Record {
+    /// A GPU run's record: the texts it ran from, on which GPU(s), when and at which commit.
+    fn of_gpu_run(
+        config_text: &str,
+        profile_text: &str,
+        gpu: String,
+        date: &str,
+        commit: &str,
+        run: RunOutcome,
+    ) -> Record {
+        Record {
+            config: config_text.to_string(),
+            policy_profile: profile_text.to_string(),
+            gpu,
+            date: date.to_string(),
+            commit: commit.to_string(),
+            run,
+        }
+    }
+}
+
 /// Part 1 on the virtual clock: the workload of `config_text` on the GPU, the policies using
 /// `profile_text`, the backend on this thread (time moves by the CUDA-event durations).
 /// `b` must have been built from the config's `[backend]` section.
@@ -723,9 +757,7 @@ pub fn run_on_gpu(
     date: &str,
     commit: &str,
 ) -> Result<Record, ConformanceError> {
-    let file = ConformanceFile::parse(config_text, origin)?;
-    let profile = parse_profile(profile_text, &file.conformance.profile)?;
-    let reqs = workload(&file)?;
+    let (file, profile, reqs) = run_inputs(config_text, origin, profile_text)?;
     let devices =
         cudarc::driver::CudaContext::device_count().map_err(crate::backend::BackendError::from)?;
     file.check_placement_fits(devices.max(0) as usize)?;
@@ -741,14 +773,14 @@ pub fn run_on_gpu(
     }
     warm_up(b, &file, &profile)?;
     let (run, _) = run_virtual(&file, &profile, &reqs, b)?;
-    Ok(Record {
-        config: config_text.to_string(),
-        policy_profile: profile_text.to_string(),
-        gpu: b.gpu().name(),
-        date: date.to_string(),
-        commit: commit.to_string(),
+    Ok(Record::of_gpu_run(
+        config_text,
+        profile_text,
+        b.gpu().name(),
+        date,
+        commit,
         run,
-    })
+    ))
 }
 
 /// Part 1 on the wall clock: as [`run_on_gpu`], but the backend is built (from the config's
@@ -764,7 +796,7 @@ pub fn run_on_gpu_wall(
     date: &str,
     commit: &str,
 ) -> Result<Record, ConformanceError> {
-    let file = ConformanceFile::parse(config_text, origin)?;
+    let (file, profile, reqs) = run_inputs(config_text, origin, profile_text)?;
     if file.own_gpus() || file.placement().physical_ordinals().len() > 1 {
         return Err(ConformanceError::Device(
             "the wall clock runs every device of the unit on one device thread (one GPU); a \
@@ -772,8 +804,6 @@ pub fn run_on_gpu_wall(
                 .into(),
         ));
     }
-    let profile = parse_profile(profile_text, &file.conformance.profile)?;
-    let reqs = workload(&file)?;
     let name = gpu.name();
     let (device_file, device_profile) = (file.clone(), profile.clone());
     // Before the device thread exists, so it (and the disk tier's thread) inherit the mask.
@@ -801,14 +831,14 @@ pub fn run_on_gpu_wall(
     )?;
     run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
     drop(pin);
-    Ok(Record {
-        config: config_text.to_string(),
-        policy_profile: profile_text.to_string(),
-        gpu: name,
-        date: date.to_string(),
-        commit: commit.to_string(),
+    Ok(Record::of_gpu_run(
+        config_text,
+        profile_text,
+        name,
+        date,
+        commit,
         run,
-    })
+    ))
 }
 
 /// Throwaway prefill and decode plans on request ids outside the workload, then a reset: a
@@ -881,9 +911,7 @@ pub fn run_on_gpus(
     date: &str,
     commit: &str,
 ) -> Result<Record, ConformanceError> {
-    let file = ConformanceFile::parse(config_text, origin)?;
-    let profile = parse_profile(profile_text, &file.conformance.profile)?;
-    let reqs = workload(&file)?;
+    let (file, profile, reqs) = run_inputs(config_text, origin, profile_text)?;
     file.check_placement_fits(gpus.len())?;
     if !file.conformance.handoff.copy {
         return Err(ConformanceError::Device(
@@ -920,14 +948,14 @@ pub fn run_on_gpus(
         dev.reset();
     }
     let (run, _) = run_virtual(&file, &profile, &reqs, &mut dev)?;
-    Ok(Record {
-        config: config_text.to_string(),
-        policy_profile: profile_text.to_string(),
-        gpu: name,
-        date: date.to_string(),
-        commit: commit.to_string(),
+    Ok(Record::of_gpu_run(
+        config_text,
+        profile_text,
+        name,
+        date,
+        commit,
         run,
-    })
+    ))
 }
 
 /// The warm-up ladder: one prefill per chunk size, cold and over a prefix, and one decode step per

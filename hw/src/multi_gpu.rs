@@ -294,10 +294,7 @@ mod tests {
     /// and the transfer moves every block and the ring.
     #[test]
     fn gpu_handoff_between_backends_keeps_the_decode_exact() {
-        use servelab_core::engine::{
-            DecodePlan, DecodeRankPlan, DecodeSeq, PrefillChunk, PrefillPlan,
-        };
-        use servelab_core::ids::RequestId;
+        use crate::backend::tests::{handoff_decode, handoff_prefill, max_abs_diff};
         let Some(gpu) = servelab_kernels::gpu::gpu_or_skip() else {
             return;
         };
@@ -308,35 +305,8 @@ mod tests {
             ..crate::backend::tests::tiny()
         };
         let m = base.model.clone();
-        let prefill = StepPlan::Prefill(PrefillPlan {
-            engine: EngineId(0),
-            chunks: vec![PrefillChunk {
-                request: RequestId(5),
-                new_tokens: 300,
-                prefix_tokens: 0,
-                new_token_layers: m.encoder_layers as u32,
-                decoder_tokens: 140,
-                decoder_layers: m.decoder_layers as u32,
-                swap_in_bytes: 0,
-            }],
-            expert_imbalance: 1.0,
-        });
-        let decode = StepPlan::Decode(DecodePlan {
-            engine: EngineId(0),
-            ranks: vec![DecodeRankPlan {
-                seq_start: 0,
-                seq_end: 1,
-                verify_budget: 2,
-            }],
-            seqs: vec![DecodeSeq {
-                request: RequestId(5),
-                kv_tokens: 301,
-                max_drafts: 2,
-                slot: 0,
-            }],
-            dynamic: false,
-            expert_imbalance: 1.0,
-        });
+        let prefill = handoff_prefill(&m);
+        let decode = handoff_decode(0);
         let mut shared = CudaBackend::new(gpu.clone(), base.clone()).unwrap();
         shared.keep_logits = true;
         let mut rep = StepReport::default();
@@ -377,13 +347,7 @@ mod tests {
         );
         dev.step(&decode, &mut rep).unwrap();
         assert!(dev.moves_before_steps.is_empty());
-        let (a, c) = (&shared.last_logits, &dev.backends[1].last_logits);
-        assert_eq!(a.len(), c.len());
-        let max = a
-            .iter()
-            .zip(c)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0f32, f32::max);
+        let max = max_abs_diff(&shared.last_logits, &dev.backends[1].last_logits);
         assert!(max <= 1e-3, "max diff {max}");
         dev.release(5);
         assert!(!dev.backends[1].tiers.seqs.contains_key(&5));

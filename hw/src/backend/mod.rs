@@ -1018,6 +1018,52 @@ pub(crate) mod tests {
         }
     }
 
+    /// The handoff tests' request 5: a 300-token cold prefill that replays 140 tokens.
+    pub(crate) fn handoff_prefill(m: &ModelShape) -> StepPlan {
+        StepPlan::Prefill(PrefillPlan {
+            engine: EngineId(0),
+            chunks: vec![PrefillChunk {
+                request: RequestId(5),
+                new_tokens: 300,
+                prefix_tokens: 0,
+                new_token_layers: m.encoder_layers as u32,
+                decoder_tokens: 140,
+                decoder_layers: m.decoder_layers as u32,
+                swap_in_bytes: 0,
+            }],
+            expert_imbalance: 1.0,
+        })
+    }
+
+    /// One decode step of the handoff tests' request 5 (two drafts) on decode group `group`.
+    pub(crate) fn handoff_decode(group: u32) -> StepPlan {
+        StepPlan::Decode(DecodePlan {
+            engine: EngineId(group),
+            ranks: vec![DecodeRankPlan {
+                seq_start: 0,
+                seq_end: 1,
+                verify_budget: 2,
+            }],
+            seqs: vec![DecodeSeq {
+                request: RequestId(5),
+                kv_tokens: 301,
+                max_drafts: 2,
+                slot: 0,
+            }],
+            dynamic: false,
+            expert_imbalance: 1.0,
+        })
+    }
+
+    /// The largest absolute difference of two logit vectors, which must be of one length.
+    pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    }
+
     /// A small MLA model: one latent of 96 (value 64, rotary 32) read by 4 heads.
     fn tiny_mla() -> BackendConfig {
         BackendConfig {
@@ -1214,37 +1260,8 @@ pub(crate) mod tests {
         };
         let gpu = Arc::new(gpu);
         let m = tiny().model;
-        let prefill = StepPlan::Prefill(PrefillPlan {
-            engine: EngineId(0),
-            chunks: vec![PrefillChunk {
-                request: RequestId(5),
-                new_tokens: 300,
-                prefix_tokens: 0,
-                new_token_layers: m.encoder_layers as u32,
-                decoder_tokens: 140,
-                decoder_layers: m.decoder_layers as u32,
-                swap_in_bytes: 0,
-            }],
-            expert_imbalance: 1.0,
-        });
-        let decode = |group: u32| {
-            StepPlan::Decode(DecodePlan {
-                engine: EngineId(group),
-                ranks: vec![DecodeRankPlan {
-                    seq_start: 0,
-                    seq_end: 1,
-                    verify_budget: 2,
-                }],
-                seqs: vec![DecodeSeq {
-                    request: RequestId(5),
-                    kv_tokens: 301,
-                    max_drafts: 2,
-                    slot: 0,
-                }],
-                dynamic: false,
-                expert_imbalance: 1.0,
-            })
-        };
+        let prefill = handoff_prefill(&m);
+        let decode = handoff_decode;
         let mut logits = Vec::new();
         for split in [false, true] {
             let cfg = BackendConfig {
@@ -1279,13 +1296,7 @@ pub(crate) mod tests {
                 .unwrap();
             logits.push(b.last_logits.clone());
         }
-        let (a, c) = (&logits[0], &logits[1]);
-        assert_eq!(a.len(), c.len());
-        let max = a
-            .iter()
-            .zip(c)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0f32, f32::max);
+        let max = max_abs_diff(&logits[0], &logits[1]);
         println!("decode after the handoff vs one shared pool: max abs logit diff {max:.3e}");
         assert!(max <= 1e-3, "max diff {max}");
     }

@@ -26,16 +26,10 @@ impl CudaBackend {
         let (src_region, valid_to) = (st.region, st.ring_valid_to);
         let tokens = st.blocks.len() * self.cfg.model.block_size;
         self.gpu.ctx.bind_to_thread()?;
-        let src_ids = self.resident_ids(request, tokens, src_region)?;
+        let (src_ids, _) = self.resident_ids(request, tokens, src_region)?;
         let src_ring = self.ring_of(request)?;
         dst.gpu.ctx.bind_to_thread()?;
-        let mut moves = Moves::default();
-        let dst_ids = dst
-            .place(&[(request, tokens)], region, &mut moves)?
-            .remove(0);
-        dst.issue_moves(&moves)?;
-        dst.gpu.stream.join(&dst.copy)?;
-        dst.gpu.stream.synchronize()?;
+        let (dst_ids, evicted_blocks) = dst.resident_ids(request, tokens, region)?;
         let dst_ring = dst.ring_of(request)?;
         if let Some(st) = dst.tiers.seqs.get_mut(&request) {
             st.ring_valid_to = valid_to;
@@ -62,19 +56,20 @@ impl CudaBackend {
         self.release(request);
         Ok(HandoffCopy {
             bytes: timing.bytes,
-            evicted_blocks: moves.swap_out.len() as u32,
+            evicted_blocks,
             duration_ns: timing.duration_ns.max(1),
         })
     }
 
     /// Every block of `request` in HBM of `region` (swapped back in where a later step moved
-    /// it out), with the device idle afterwards; returns the block ids.
+    /// it out, or placed there for the first time), with the device idle afterwards; returns
+    /// the block ids and how many other blocks were swapped out to make room.
     fn resident_ids(
         &mut self,
         request: u64,
         tokens: usize,
         region: u32,
-    ) -> Result<Vec<u32>, BackendError> {
+    ) -> Result<(Vec<u32>, u32), BackendError> {
         let mut moves = Moves::default();
         let ids = self
             .place(&[(request, tokens)], region, &mut moves)?
@@ -82,7 +77,7 @@ impl CudaBackend {
         self.issue_moves(&moves)?;
         self.gpu.stream.join(&self.copy)?;
         self.gpu.stream.synchronize()?;
-        Ok(ids)
+        Ok((ids, moves.swap_out.len() as u32))
     }
 
     fn ring_of(&self, request: u64) -> Result<u32, BackendError> {
