@@ -598,6 +598,15 @@ fn gpu_record(o: &ConformanceOptions, log: &mut dyn FnMut(&str)) -> Result<Recor
             let mut rec =
                 conformance::run_on_gpu(&mut b, &text, &origin, &profile_text, &o.date, &o.commit)?;
             rec.run.pinned_cpu = pin.as_ref().map(|p| p.cpu);
+            let g = b.graph_stats();
+            log(&format!(
+                "decode mode {:?}: {} graph captures, {} replays, {} device-bound steps launch \
+                 by launch",
+                b.decode_mode(),
+                g.captures,
+                g.replays,
+                g.eager_steps
+            ));
             rec
         }
         // The backend is built and warmed up on the device thread first.

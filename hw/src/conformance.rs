@@ -1255,6 +1255,22 @@ think_time_s = { kind = "fixed", value = 0.2 }
         assert!(e.to_string().contains("swa.machines"), "{e}");
     }
 
+    /// `[backend] decode_mode` reaches the backend config by its kebab-case name, is eager
+    /// when absent, and a misspelt mode is an error naming the field.
+    #[test]
+    fn the_decode_mode_is_read_from_the_backend_table() {
+        use crate::backend::DecodeMode;
+        assert_eq!(file().backend_config().decode_mode, DecodeMode::Eager);
+        let graph = format!("{CONFIG}\n[backend]\ndecode_mode = \"graph\"\n");
+        let f = ConformanceFile::parse(&graph, "c.toml").unwrap();
+        assert_eq!(f.backend_config().decode_mode, DecodeMode::Graph);
+        let bad = format!("{CONFIG}\n[backend]\ndecode_mode = \"graphs\"\n");
+        let e = ConformanceFile::parse(&bad, "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("c.toml") && e.contains("decode_mode"), "{e}");
+    }
+
     /// The unit on the model device runs every request to completion, later turns hit the
     /// store, and a replay of its own record reproduces every plan and outcome.
     #[test]

@@ -94,6 +94,9 @@ pub struct BackendConfig {
     /// ([`tiers`]). None: one region that every plan uses (calibration, benches).
     #[serde(skip)]
     pub unit_devices: Option<(u32, u32)>,
+    /// How decode steps run ([`DecodeMode`]): `eager` (the default), `device-moe` or `graph`.
+    /// Written in the config, so that a conformance record says which mode made it.
+    pub decode_mode: DecodeMode,
 }
 
 impl Default for BackendConfig {
@@ -110,6 +113,7 @@ impl Default for BackendConfig {
             seed: 1,
             prefill_region_blocks: 0,
             unit_devices: None,
+            decode_mode: DecodeMode::Eager,
         }
     }
 }
@@ -380,7 +384,8 @@ impl CudaBackend {
         let tiers = new_tiers(&cfg);
         let accept_rng = ChaCha8Rng::seed_from_u64(sub_seed(cfg.seed, "hw.acceptance"));
         s.synchronize()?;
-        Ok(Self {
+        let mode = cfg.decode_mode;
+        let mut b = Self {
             gpu,
             cfg,
             w,
@@ -406,7 +411,9 @@ impl CudaBackend {
             decode_mode: DecodeMode::Eager,
             decode_bufs: None,
             route_log: None,
-        })
+        };
+        b.set_decode_mode(mode)?;
+        Ok(b)
     }
 
     /// Chooses how decode steps run ([`DecodeMode`]). A device-bound mode moves the backend's
