@@ -43,7 +43,11 @@ target=${CARGO_TARGET_DIR:-target}
 dir=$target/release; [[ ${#profile[@]} -eq 0 ]] && dir=$target/debug
 cp "$dir/servelab-gpu" "$bundle/"
 # Debug info is not needed on the device and would eat the 64 MiB transfer limit.
-if command -v strip >/dev/null; then strip --strip-debug "$bundle"/servelab-gpu "$bundle"/tests/*; fi
+# (A --bin-only bundle has no test executables, and the glob then names no file.)
+if command -v strip >/dev/null; then
+  strip --strip-debug "$bundle"/servelab-gpu
+  for t in "$bundle"/tests/*; do [[ -f $t ]] && strip --strip-debug "$t"; done
+fi
 cp hw/scripts/device-run.sh "$bundle/run.sh"
 cp hw/scripts/decode-bench.sh "$bundle/decode-bench.sh"
 cp hw/scripts/mgpu-run.sh "$bundle/mgpu.sh"
