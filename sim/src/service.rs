@@ -399,7 +399,7 @@ pub fn run_owned(
     let last = requests.last().map_or(Nanos::ZERO, |r| r.arrival);
     let mut unit = ServingUnit::streaming(cfg.unit_config(&profile), last)?;
     unit.bound_store_objects(&requests);
-    let feed: RequestFeed = Box::new(requests.into_iter().map(Ok));
+    let feed = crate::env::arrivals::table_feed(requests);
     serve(cfg, profile, unit, seed, &mut NoObserver, |backend| {
         VirtualEnv::streamed(cfg, backend, feed, seed)
     })
