@@ -374,6 +374,37 @@ pub fn run(
     run_with_profile(cfg, profile, requests, seed)
 }
 
+/// [`run`] over a table the caller gives up: in open loop the unit is given the requests one at
+/// a time as they arrive and each is dropped once served, so the run holds the requests in
+/// flight (and the chains still used), not the whole trace. Byte-identical to [`run`]: a
+/// streamed unit is the table unit (`tests/streamed_unit.rs`), and the store is sized from the
+/// same bound. Closed loop needs the table (a turn's time depends on the session's next turn).
+pub fn run_owned(
+    cfg: &ServiceConfig,
+    requests: Vec<Request>,
+    seed: u64,
+) -> Result<ServiceReport, ServiceError> {
+    let profile = HardwareProfile::resolve(&cfg.profile)?;
+    if !matches!(cfg.arrivals, Arrivals::OpenLoop) {
+        return run_with_profile(cfg, profile, &requests, seed);
+    }
+    cfg.validate_environment()?;
+    if let Some(r) = requests.windows(2).find(|w| w[1].arrival < w[0].arrival) {
+        return Err(ConfigError::invalid(
+            "workload",
+            format!("requests not sorted by arrival at {}", r[1].id),
+        )
+        .into());
+    }
+    let last = requests.last().map_or(Nanos::ZERO, |r| r.arrival);
+    let mut unit = ServingUnit::streaming(cfg.unit_config(&profile), last)?;
+    unit.bound_store_objects(&requests);
+    let feed = crate::env::arrivals::table_feed(requests);
+    serve(cfg, profile, unit, seed, &mut NoObserver, |backend| {
+        VirtualEnv::streamed(cfg, backend, feed, seed)
+    })
+}
+
 /// [`run`] with the hardware profile already loaded.
 pub fn run_with_profile(
     cfg: &ServiceConfig,

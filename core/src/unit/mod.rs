@@ -83,8 +83,7 @@ impl ServingUnit {
         for r in reqs {
             unit.push_request(r.clone())?;
         }
-        unit.objects_bound =
-            entry::blocks_written_bound(reqs, unit.cfg.constants.block_tokens, unit.cfg.hit_policy);
+        unit.bound_store_objects(reqs);
         Ok(unit)
     }
 
@@ -196,9 +195,17 @@ impl ServingUnit {
             .collect()
     }
     /// An upper bound on the objects a run writes to the store (to reserve its table).
-    /// (0 when the requests are streamed: nothing is known of them up front).
+    /// (0 when the requests are streamed: nothing is known of them up front, unless
+    /// [`Self::bound_store_objects`] was given them.)
     pub fn store_objects_bound(&self) -> usize {
         self.objects_bound
+    }
+    /// Sets [`Self::store_objects_bound`] from `reqs`, the table a streaming unit will be
+    /// given one request at a time: sized once, the store does not rebuild its key table and
+    /// copy its slab at every doubling, as it does when nothing is known up front.
+    pub fn bound_store_objects(&mut self, reqs: &[Request]) {
+        self.objects_bound =
+            entry::blocks_written_bound(reqs, self.cfg.constants.block_tokens, self.cfg.hit_policy);
     }
     /// Keys of the full blocks inside the first `tokens` tokens of request `i`'s chain.
     pub fn blocks_within(&self, i: usize, tokens: u32) -> &[crate::content::BlockKey] {

@@ -7,15 +7,50 @@
 //! turn's time depends on the trace's next turn of the session, which a stream has not read).
 
 use crate::service::Arrivals;
-use servelab_core::content::KeyBuildHasher;
+use servelab_core::content::{KeyBuildHasher, prefetch_read};
 use servelab_core::unit::{RunError, ServingUnit};
 use servelab_core::{ConfigError, Nanos, Request, SessionId};
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 const NONE: u32 = u32::MAX;
 
 /// Requests in arrival order, one at a time (a workload stream, a trace read as it goes).
 pub type RequestFeed = Box<dyn Iterator<Item = Result<Request, ConfigError>> + Send>;
+
+/// A table given up to the run, as a feed: each request is handed over in turn, and the unit
+/// drops it once served. The unit's first reads of a request are its chain's header and keys,
+/// a cache miss each in a trace generated long before the request arrives, so the feed starts
+/// loading them a few requests ahead (a hint only: it changes no result).
+pub fn table_feed(requests: Vec<Request>) -> RequestFeed {
+    Box::new(TableFeed {
+        rest: requests.into_iter(),
+    })
+}
+
+struct TableFeed {
+    rest: std::vec::IntoIter<Request>,
+}
+
+/// How many requests ahead the feed starts loading a request's chain header, and its keys
+/// (whose address is in the header, so loaded a few requests after it).
+const CHAIN_AHEAD: usize = 8;
+const KEYS_AHEAD: usize = 4;
+
+impl Iterator for TableFeed {
+    type Item = Result<Request, ConfigError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let ahead = self.rest.as_slice();
+        if let Some(r) = ahead.get(CHAIN_AHEAD) {
+            prefetch_read(Arc::as_ptr(&r.content));
+        }
+        if let Some(r) = ahead.get(KEYS_AHEAD) {
+            prefetch_read(r.content.full_blocks(u32::MAX).as_ptr());
+        }
+        self.rest.next().map(Ok)
+    }
+}
 
 /// How many requests past the one arriving the unit is given (it prefetches what the next
 /// two arrivals will read).
