@@ -389,13 +389,7 @@ pub fn run_owned(
         return run_with_profile(cfg, profile, &requests, seed);
     }
     cfg.validate_environment()?;
-    if let Some(r) = requests.windows(2).find(|w| w[1].arrival < w[0].arrival) {
-        return Err(ConfigError::invalid(
-            "workload",
-            format!("requests not sorted by arrival at {}", r[1].id),
-        )
-        .into());
-    }
+    check_sorted_by_arrival(&requests)?;
     let last = requests.last().map_or(Nanos::ZERO, |r| r.arrival);
     let mut unit = ServingUnit::streaming(cfg.unit_config(&profile), last)?;
     unit.bound_store_objects(&requests);
@@ -403,6 +397,18 @@ pub fn run_owned(
     serve(cfg, profile, unit, seed, &mut NoObserver, |backend| {
         VirtualEnv::streamed(cfg, backend, feed, seed)
     })
+}
+
+/// A table's requests must come in arrival order: the environments release them in turn.
+fn check_sorted_by_arrival(requests: &[Request]) -> Result<(), ServiceError> {
+    match requests.windows(2).find(|w| w[1].arrival < w[0].arrival) {
+        Some(r) => Err(ConfigError::invalid(
+            "workload",
+            format!("requests not sorted by arrival at {}", r[1].id),
+        )
+        .into()),
+        None => Ok(()),
+    }
 }
 
 /// [`run`] with the hardware profile already loaded.
@@ -425,13 +431,7 @@ pub fn run_observed<O: Observer>(
     observer: &mut O,
 ) -> Result<ServiceReport, ServiceError> {
     cfg.validate_environment()?;
-    if let Some(r) = requests.windows(2).find(|w| w[1].arrival < w[0].arrival) {
-        return Err(ConfigError::invalid(
-            "workload",
-            format!("requests not sorted by arrival at {}", r[1].id),
-        )
-        .into());
-    }
+    check_sorted_by_arrival(requests)?;
     let unit = ServingUnit::new(cfg.unit_config(&profile), requests)?;
     serve(cfg, profile, unit, seed, observer, |backend| {
         VirtualEnv::new(cfg, backend, requests, seed)

@@ -1610,7 +1610,7 @@ pub(super) fn decode(
     if inp.rows.tokens.is_empty() {
         return Ok(());
     }
-    match b.decode_mode {
+    match b.cfg.decode_mode {
         DecodeMode::Eager => decode_eager(b, &blocks, &inp)?,
         DecodeMode::DeviceMoe | DecodeMode::Graph => device_decode::decode(b, &blocks, &inp)?,
     }

@@ -284,7 +284,6 @@ pub struct CudaBackend {
     pub(crate) issued_at: Option<std::time::Instant>,
     /// The running decode step's end event, and whether [`Self::mark_issued`] recorded it.
     pub(crate) decode_end: Option<(cudarc::driver::CudaEvent, bool)>,
-    pub(crate) decode_mode: DecodeMode,
     /// Kept inputs, outputs and graphs of device-bound decode steps.
     pub(crate) decode_bufs: Option<forward::DecodeBuffers>,
     /// Routed rows per (layer, expert) since logging was turned on ([`Self::log_routing`]).
@@ -408,7 +407,6 @@ impl CudaBackend {
             last_host_issue: std::time::Duration::ZERO,
             issued_at: None,
             decode_end: None,
-            decode_mode: DecodeMode::Eager,
             decode_bufs: None,
             route_log: None,
         };
@@ -430,7 +428,7 @@ impl CudaBackend {
                 self.phases = Some(forward::PhaseLog::new(&self.gpu));
             }
         }
-        self.decode_mode = mode;
+        self.cfg.decode_mode = mode;
         Ok(())
     }
 
@@ -447,7 +445,7 @@ impl CudaBackend {
     }
 
     pub fn decode_mode(&self) -> DecodeMode {
-        self.decode_mode
+        self.cfg.decode_mode
     }
 
     /// Graph captures and replays of device-bound decode steps so far.

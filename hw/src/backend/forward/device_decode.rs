@@ -335,7 +335,7 @@ fn run(
         lf: &mut db.lf,
         out: &mut db.out,
     };
-    let graph = b.decode_mode == DecodeMode::Graph && fresh.is_none() && b.phases.is_none();
+    let graph = b.cfg.decode_mode == DecodeMode::Graph && fresh.is_none() && b.phases.is_none();
     if !graph {
         db.stats.eager_steps += 1;
         return launches(b, sc, &stack, &mut io);
